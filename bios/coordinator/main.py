@@ -1,0 +1,74 @@
+"""`bios-coordinator`: run the coordinator daemon until SIGTERM/SIGINT, then stop its workers and exit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .server import Coordinator, CoordinatorConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bios-coordinator", description="Run the Bios coordinator daemon.")
+    p.add_argument("--listen", default="tcp://127.0.0.1:7600", help="client address (port 0 picks a free one)")
+    p.add_argument("--worker-port", type=int, default=None, help="worker port (default: client port + 1)")
+    p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")))
+    p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
+    p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
+    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    config = CoordinatorConfig(
+        listen=args.listen,
+        worker_port=args.worker_port,
+        state_dir=args.state_dir,
+        cycle_s=args.cycle_s,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+    coordinator = Coordinator(config)
+    addresses = await coordinator.start()
+    if args.ready_file is not None:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid()}))
+        tmp.replace(args.ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = loop.create_task(coordinator.wait())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    logging.getLogger(__name__).info("coordinator stopping")
+    await coordinator.stop()
+    if serving.done() and serving.exception() is not None:
+        raise serving.exception()  # type: ignore[misc]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s coordinator %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Which workers are alive: registration, heartbeats, and generations.
+
+Every change of the live set (a join, a leave, a death) starts a new generation; cycles are always run by the
+members of one generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from bios import messages as m
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    worker_id: str
+    peer: bytes
+    host: str
+    pid: int
+    device: str
+    memory_bytes: int
+    models: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = "ready"  # ready | leaving | dead
+
+
+class Membership:
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.members: dict[str, Member] = {}
+        self.generation = 0
+        self.changed = asyncio.Event()
+
+    def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
+        member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models))
+        self.members[msg.worker_id] = member
+        self._bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
+        return member
+
+    def heartbeat(self, worker_id: str, peer: bytes) -> bool:
+        member = self.members.get(worker_id)
+        if member is None or member.state == "dead" or member.peer != peer:
+            return False
+        member.last_seen = time.monotonic()
+        return True
+
+    def mark_dead(self, worker_id: str, reason: str) -> None:
+        member = self.members.get(worker_id)
+        if member is not None and member.state != "dead":
+            member.state = "dead"
+            self._bump(f"worker {worker_id} lost: {reason}")
+
+    def expire(self) -> list[Member]:
+        """Mark members whose heartbeats stopped as dead; returns them."""
+        limit = time.monotonic() - self.heartbeat_timeout_s
+        dead = [mb for mb in self.members.values() if mb.state != "dead" and mb.last_seen < limit]
+        for member in dead:
+            self.mark_dead(member.worker_id, f"no heartbeat for {self.heartbeat_timeout_s:.1f}s")
+        return dead
+
+    def alive(self) -> list[Member]:
+        return [mb for mb in self.members.values() if mb.state == "ready"]
+
+    async def wait_for_alive(self) -> list[Member]:
+        while True:
+            members = self.alive()
+            if members:
+                return members
+            self.changed.clear()
+            await self.changed.wait()
+
+    def status(self) -> list[m.WorkerStatus]:
+        now = time.monotonic()
+        return [
+            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, mb.state, now - mb.last_seen)
+            for mb in self.members.values()
+        ]
+
+    def _bump(self, why: str) -> None:
+        self.generation += 1
+        log.info("generation %d: %s", self.generation, why)
+        self.changed.set()

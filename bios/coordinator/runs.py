@@ -1,0 +1,81 @@
+"""Per-run request queues: ordering by `seq_id` and selection of one cycle's work.
+
+A run executes its requests strictly in `seq_id` order. Requests may arrive out of order (Tinker sends a call's
+chunks concurrently); a gap holds everything behind it. A rejected request still occupies its `seq_id` so the
+queue moves past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bios import messages as m
+from bios import types as t
+
+
+def request_id_for(model_id: str, seq_id: int) -> str:
+    """Deterministic ids: a client knows the id of its request before it is sent, and resubmits map to it."""
+    return f"{model_id}#{seq_id}"
+
+
+@dataclass
+class Queued:
+    request_id: str
+    op: Any
+    rejected: bool = False
+
+
+@dataclass
+class Run:
+    model_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    lora: t.LoraConfig
+    status: str = "creating"  # creating | ready | failed
+    info: t.BaseModelInfo | None = None
+    next_seq: int = 0
+    queue: dict[int, Queued] = field(default_factory=dict)
+    in_flight: list[tuple[int, Queued]] = field(default_factory=list)
+
+    def enqueue(self, seq_id: int, item: Queued) -> None:
+        self.queue[seq_id] = item
+
+    def runnable(self) -> bool:
+        return self.next_seq in self.queue
+
+    def take_cycle(self) -> list[Queued]:
+        """This cycle's share: forward work in order, up to and including the first other op."""
+        taken: list[Queued] = []
+        while self.next_seq in self.queue:
+            item = self.queue.pop(self.next_seq)
+            self.in_flight.append((self.next_seq, item))
+            self.next_seq += 1
+            if item.rejected:
+                continue
+            taken.append(item)
+            if not isinstance(item.op, m.FORWARD_TYPES):
+                break
+        return taken
+
+    def cycle_committed(self) -> None:
+        self.in_flight.clear()
+
+    def cycle_aborted(self, finished: set[str]) -> None:
+        """Return an aborted cycle's unfinished items (with the rejected ones between them) to the queue."""
+        for seq_id, item in self.in_flight:
+            if item.request_id not in finished:
+                self.queue[seq_id] = item
+                self.next_seq = min(self.next_seq, seq_id)
+        self.in_flight.clear()
+
+
+def seq_of(op: Any) -> int:
+    return 0 if isinstance(op, m.CreateModel) else op.seq_id
+
+
+def model_id_of(op: Any) -> str:
+    if isinstance(op, m.CreateModel):
+        return f"{op.session_id}:train:{op.model_seq_id}"
+    return op.model_id

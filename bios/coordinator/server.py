@@ -1,0 +1,250 @@
+"""The coordinator process: two ROUTER sockets (clients, workers) feeding the scheduler and the cycle runner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+import bios
+from bios import messages as m
+from bios import types as t
+from bios.actors.actor import ActorRef, Policy, spawn
+from bios.actors.remote import serve
+from bios.exceptions import AuthenticationError, BadRequestError, NotFoundError, RequestFailedError
+from bios.transport.codec import Envelope
+from bios.transport.sockets import Router, next_message_id
+
+from .clock import CycleClock
+from .cycles import CycleRunner
+from .membership import Membership
+from .scheduler import Describe, ListRuns, QueueDepth, Scheduler, Submit
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+LOCAL_OWNER = "local"
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    listen: str = "tcp://127.0.0.1:7600"
+    worker_port: int | None = None  # None: the client port + 1, or a free port when the client port is 0
+    state_dir: Path = Path("bios-state")
+    cycle_s: float = 10.0
+    heartbeat_timeout_s: float = 5.0
+    session_timeout_s: float = 120.0
+    worker_heartbeat_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Addresses:
+    clients: str
+    workers: str
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.ctx = zmq.asyncio.Context()
+        self.codec = m.make_codec()
+        self.clients = Router(self.ctx, self.codec)
+        self.workers = Router(self.ctx, self.codec)
+        self.store = Store(config.state_dir)
+        self.clock = CycleClock(config.cycle_s)
+        self.membership = Membership(config.heartbeat_timeout_s)
+        self.sessions: dict[bytes, str] = {}
+        self._worker_asks: dict[int, asyncio.Future[Any]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._started = time.monotonic()
+        self.scheduler: ActorRef
+        self.runner: CycleRunner
+
+    async def start(self) -> Addresses:
+        clients = self.clients.bind(self.config.listen)
+        client_port = int(clients.rsplit(":", 1)[1])
+        host = clients.rsplit(":", 1)[0]
+        worker_port = self.config.worker_port
+        if worker_port is None:
+            worker_port = 0 if self.config.listen.endswith(":0") else client_port + 1
+        workers = self.workers.bind(f"{host}:{worker_port}")
+        self.scheduler = spawn(
+            lambda: Scheduler(self.store, self.codec, self._push, self.clock.work_queued),
+            name="scheduler",
+            policy=Policy.RESUME,
+        )
+        self.runner = CycleRunner(self.scheduler, self.clock, self.membership, self._send_to_worker)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
+            loop.create_task(serve(self.workers, self._dispatch_worker), name="workers"),
+            loop.create_task(self.runner.run_forever(), name="cycles"),
+            loop.create_task(self._watch_heartbeats(), name="heartbeats"),
+        ]
+        log.info("coordinator serving clients on %s and workers on %s (cycle_s=%s)", clients, workers, self.config.cycle_s)
+        return Addresses(clients, workers)
+
+    async def wait(self) -> None:
+        """Run until a serving task fails (which is a bug: it is logged and re-raised)."""
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+
+    async def stop(self) -> None:
+        """Tell every worker to exit, then close."""
+        for member in self.membership.alive():
+            with contextlib.suppress(Exception):
+                await self._send_to_worker(member.peer, m.Shutdown("coordinator stopping"))
+        await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.scheduler.stop()
+        self.clients.close()
+        self.workers.close()
+        self.store.close()
+        self.ctx.term()
+
+    # ------------------------------------------------------------------------------------ clients
+
+    def _dispatch_client(self, peer: bytes, env: Envelope, frames: list[Any]) -> Any:
+        body = env.body
+        if isinstance(body, m.Hello):
+            return self._hello(peer, body)
+        if isinstance(body, m.DiscoverWorkerEndpoint):
+            return _ready(m.WorkerEndpoint(int(self.workers.address.rsplit(":", 1)[1])))
+        session = self.sessions.get(peer)
+        if session is None:
+            raise AuthenticationError("this connection has not said Hello; create a ServiceClient first")
+        if isinstance(body, m.REQUEST_TYPES):
+            return self.scheduler.ask_future(Submit(peer, LOCAL_OWNER, body, [f.bytes for f in frames]))
+        if isinstance(body, m.SessionHeartbeat):
+            if not self.store.touch_session(body.session_id):
+                raise NotFoundError(f"session {body.session_id} is closed or unknown")
+            return _ready(m.Ack())
+        if isinstance(body, m.CloseSession):
+            self.store.close_session(body.session_id)
+            return _ready(m.Ack())
+        if isinstance(body, m.GetInfo):
+            return self.scheduler.ask_future(Describe(body.model_id, LOCAL_OWNER))
+        if isinstance(body, m.Ping):
+            return self._ping(body)
+        if isinstance(body, m.GetClusterStatus):
+            return self._status()
+        if isinstance(body, m.GetServerCapabilities):
+            return _ready(self._capabilities())
+        raise BadRequestError(f"the coordinator does not take {type(body).__name__} from clients", field="kind")
+
+    def _hello(self, peer: bytes, hello: m.Hello) -> asyncio.Future[Any]:
+        if hello.protocol != m.PROTOCOL_VERSION:
+            raise BadRequestError(
+                f"client speaks protocol {hello.protocol}, this coordinator speaks {m.PROTOCOL_VERSION}; "
+                "upgrade the older side",
+                field="protocol",
+            )
+        session_id = self.sessions.get(peer) or uuid.uuid4().hex[:16]
+        if peer not in self.sessions:
+            self.sessions[peer] = session_id
+            self.store.add_session(session_id, LOCAL_OWNER)
+        return _ready(m.Welcome(session_id, bios.__version__, self.config.cycle_s))
+
+    async def _ping(self, ping: m.Ping) -> m.Pong:
+        members = self.membership.alive()
+        if not members:
+            raise RequestFailedError("no worker is connected to this coordinator")
+        reply = await self._ask_worker(members[0].peer, ping, timeout=self.config.heartbeat_timeout_s)
+        return reply
+
+    async def _status(self) -> m.ClusterStatus:
+        return m.ClusterStatus(
+            cycles_run=self.clock.cycles_run,
+            cycle_s=self.config.cycle_s,
+            generation=self.membership.generation,
+            workers=self.membership.status(),
+            queue_depth=await self.scheduler.ask(QueueDepth()),
+            runs=len(await self.scheduler.ask(ListRuns())),
+            busy_s=self.clock.busy_s,
+            uptime_s=time.monotonic() - self._started,
+        )
+
+    def _capabilities(self) -> t.GetServerCapabilitiesResponse:
+        names = sorted({name for member in self.membership.alive() for name in member.models})
+        return t.GetServerCapabilitiesResponse([t.SupportedModel(model_name=name) for name in names])
+
+    async def _push(self, peer: bytes, frames: list[Any]) -> None:
+        await self.clients.send_raw(peer, frames)
+
+    # ------------------------------------------------------------------------------------ workers
+
+    def _dispatch_worker(self, peer: bytes, env: Envelope, frames: list[Any]) -> Any:
+        body = env.body
+        if env.reply_to is not None and env.reply_to in self._worker_asks:
+            future = self._worker_asks.pop(env.reply_to)
+            if not future.done():
+                future.set_result(body)
+            return None
+        if isinstance(body, m.RegisterWorker):
+            self.membership.register(peer, body)
+            return _ready(m.WorkerAccepted(self.config.worker_heartbeat_s))
+        worker_id = self._worker_id(peer)
+        if worker_id is None:
+            raise AuthenticationError("unknown worker: register first")
+        if isinstance(body, m.WorkerHeartbeat):
+            self.membership.heartbeat(worker_id, peer)
+        elif isinstance(body, m.ItemDone):
+            self.runner.item_done(worker_id, body)
+        elif isinstance(body, m.CycleDone):
+            self.runner.worker_done(worker_id, body.cycle_id)
+        elif isinstance(body, m.Shutdown):
+            self.membership.mark_dead(worker_id, f"left: {body.reason}")
+            self._lost(worker_id)
+        else:
+            raise BadRequestError(f"the coordinator does not take {type(body).__name__} from workers", field="kind")
+        return None
+
+    def _worker_id(self, peer: bytes) -> str | None:
+        for member in self.membership.members.values():
+            if member.peer == peer and member.state != "dead":
+                return member.worker_id
+        return None
+
+    def _lost(self, worker_id: str) -> None:
+        member = self.membership.members.get(worker_id)
+        if member is not None:
+            self.runner.worker_lost(member)
+
+    async def _send_to_worker(self, peer: bytes, body: Any) -> None:
+        await self.workers.send(peer, Envelope(next_message_id(), body))
+
+    async def _ask_worker(self, peer: bytes, body: Any, timeout: float) -> Any:
+        env_id = next_message_id()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._worker_asks[env_id] = future
+        try:
+            await self.workers.send(peer, Envelope(env_id, body))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._worker_asks.pop(env_id, None)
+
+    async def _watch_heartbeats(self) -> None:
+        interval = min(0.5, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for member in self.membership.expire():
+                self.runner.worker_lost(member)
+
+
+def _ready(value: Any) -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future

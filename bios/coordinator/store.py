@@ -1,0 +1,176 @@
+"""Durable coordinator state in SQLite (WAL): sessions, runs and the request log with stored results.
+
+A request is written here before it is acknowledged, so an accepted request survives anything short of losing
+the disk; its result is written before it is pushed, so a resubmitted `(model_id, seq_id)` is answered from
+here and never executed twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    closed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS runs (
+    model_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    lora_config TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_request_time REAL NOT NULL,
+    status TEXT NOT NULL,
+    info TEXT
+);
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY,
+    model_id TEXT NOT NULL,
+    seq_id INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created REAL NOT NULL,
+    finished REAL,
+    payload BLOB,
+    result BLOB
+);
+CREATE INDEX IF NOT EXISTS requests_by_model ON requests (model_id, seq_id);
+"""
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    request_id: str
+    status: str  # accepted | done | failed | rejected
+    result: list[bytes] | None
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    model_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    lora_config: dict[str, object]
+    created: float
+    last_request_time: float
+    status: str
+    info: dict[str, object] | None
+
+
+class Store:
+    """One SQLite database per coordinator state directory; used only from the coordinator's event loop."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / "coordinator.sqlite3"
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def add_session(self, session_id: str, owner: str) -> None:
+        now = time.time()
+        self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, 0)", (session_id, owner, now, now))
+
+    def touch_session(self, session_id: str) -> bool:
+        cur = self.db.execute(
+            "UPDATE sessions SET last_heartbeat = ? WHERE session_id = ? AND closed = 0", (time.time(), session_id)
+        )
+        return cur.rowcount == 1
+
+    def close_session(self, session_id: str) -> None:
+        self.db.execute("UPDATE sessions SET closed = 1 WHERE session_id = ?", (session_id,))
+
+    def session_owner(self, session_id: str) -> str | None:
+        row = self.db.execute("SELECT owner FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return None if row is None else row[0]
+
+    # ------------------------------------------------------------------------------------ runs
+
+    def add_run(self, model_id: str, session_id: str, owner: str, base_model: str, lora_config: dict[str, object]) -> None:
+        now = time.time()
+        self.db.execute(
+            "INSERT OR IGNORE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, 'creating', NULL)",
+            (model_id, session_id, owner, base_model, json.dumps(lora_config), now, now),
+        )
+
+    def set_run_status(self, model_id: str, status: str, info: dict[str, object] | None = None) -> None:
+        if info is None:
+            self.db.execute("UPDATE runs SET status = ? WHERE model_id = ?", (status, model_id))
+        else:
+            self.db.execute(
+                "UPDATE runs SET status = ?, info = ? WHERE model_id = ?", (status, json.dumps(info), model_id)
+            )
+
+    def get_run(self, model_id: str) -> StoredRun | None:
+        row = self.db.execute("SELECT * FROM runs WHERE model_id = ?", (model_id,)).fetchone()
+        return None if row is None else _run(row)
+
+    def list_runs(self, owner: str | None = None) -> list[StoredRun]:
+        if owner is None:
+            rows = self.db.execute("SELECT * FROM runs ORDER BY created").fetchall()
+        else:
+            rows = self.db.execute("SELECT * FROM runs WHERE owner = ? ORDER BY created", (owner,)).fetchall()
+        return [_run(r) for r in rows]
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, model_id: str, seq_id: int, kind: str, payload: list[bytes] | None) -> None:
+        now = time.time()
+        blob = msgpack.packb(payload) if payload is not None else None
+        self.db.execute(
+            "INSERT INTO requests VALUES (?, ?, ?, ?, 'accepted', ?, NULL, ?, NULL)",
+            (request_id, model_id, seq_id, kind, now, blob),
+        )
+        self.db.execute("UPDATE runs SET last_request_time = ? WHERE model_id = ?", (now, model_id))
+
+    def add_rejected(self, request_id: str, model_id: str, seq_id: int, kind: str, result: list[bytes]) -> None:
+        now = time.time()
+        self.db.execute(
+            "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, 'rejected', ?, ?, NULL, ?)",
+            (request_id, model_id, seq_id, kind, now, now, msgpack.packb(result)),
+        )
+
+    def finish_request(self, request_id: str, status: str, result: list[bytes]) -> None:
+        self.db.execute(
+            "UPDATE requests SET status = ?, finished = ?, result = ?, payload = NULL WHERE request_id = ?",
+            (status, time.time(), msgpack.packb(result), request_id),
+        )
+
+    def get_request(self, request_id: str) -> StoredRequest | None:
+        row = self.db.execute("SELECT status, result FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+        if row is None:
+            return None
+        return StoredRequest(request_id, row[0], None if row[1] is None else msgpack.unpackb(row[1]))
+
+
+def _run(row: tuple[object, ...]) -> StoredRun:
+    model_id, session_id, owner, base_model, lora, created, last, status, info = row
+    return StoredRun(
+        model_id=str(model_id),
+        session_id=str(session_id),
+        owner=str(owner),
+        base_model=str(base_model),
+        lora_config=json.loads(str(lora)),
+        created=float(created),  # type: ignore[arg-type]
+        last_request_time=float(last),  # type: ignore[arg-type]
+        status=str(status),
+        info=None if info is None else json.loads(str(info)),
+    )

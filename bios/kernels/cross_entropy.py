@@ -1,0 +1,184 @@
+"""Fused LM head + log-softmax + target gather, chunked over tokens.
+
+Materialising `[N, V]` logits (and their gradient) is the largest allocation of a fine-tuning step: 4096
+tokens over a 128k vocabulary is 2 GiB of fp32 logits before the backward doubles it. Here only one chunk of
+rows exists at a time. With a frozen head (the LoRA case) the gradient w.r.t. `hidden` is computed inside
+forward, so backward is a per-row scale and the logits are never recomputed. When a head parameter is
+trainable its gradient depends on the caller's per-row `grad_output`, so backward recomputes each chunk's
+logits instead (one extra head matmul, no stored logits).
+"""
+
+import torch
+
+_LOGITS_PER_CHUNK = 1 << 23  # ~32 MiB of fp32 logits per chunk: big enough matmuls, small next to naive
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk of fp32 logits stays near 32 MiB whatever the vocabulary."""
+    return max(32, _LOGITS_PER_CHUNK // max(vocab_size, 1))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    lora_a: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log p(targets[i] | hidden[i]) under logits = hidden @ weight.T + lora_scale * (hidden @ lora_a.T) @ lora_b.T.
+
+    hidden [N, H], weight [V, H] (same dtype), targets [N] int64, optional LoRA factors lora_a [r, H] and
+    lora_b [V, r] for an adapted LM head. Returns [N] log-probabilities in fp32 (fp64 for fp64 inputs).
+    Differentiable w.r.t. hidden, weight and the LoRA factors; under `torch.no_grad()` (or when nothing
+    requires grad) it is the forward-only path and does no gradient work. Callers drop weight-0 tokens first.
+    """
+    lora = _check_inputs(hidden, weight, targets, lora_a, lora_b)
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in trainable)):
+        with torch.no_grad():
+            return _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
+
+
+def _check_inputs(hidden, weight, targets, lora_a, lora_b) -> bool:
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            "linear_cross_entropy expects hidden [N, H], weight [V, H], targets [N]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)} (flatten batch dims first)"
+        )
+    n, h = hidden.shape
+    v = weight.shape[0]
+    if weight.shape[1] != h or targets.shape[0] != n:
+        raise ValueError(
+            f"linear_cross_entropy: shapes disagree: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one to the other"
+        )
+    if targets.dtype != torch.int64:
+        raise ValueError(f"linear_cross_entropy: targets must be int64, got {targets.dtype}")
+    if n:
+        lowest, highest = (int(x) for x in targets.aminmax())
+        if lowest < 0 or highest >= v:
+            raise ValueError(
+                f"linear_cross_entropy: targets must lie in [0, {v}), got min {lowest} max {highest} "
+                "(drop padding / ignored tokens before calling)"
+            )
+    if (lora_a is None) != (lora_b is None):
+        raise ValueError("linear_cross_entropy: pass both lora_a and lora_b, or neither")
+    if lora_a is None:
+        return False
+    if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[1] != h or lora_b.shape != (v, lora_a.shape[0]):
+        raise ValueError(
+            f"linear_cross_entropy: LoRA factors must be lora_a [r, {h}] and lora_b [{v}, r]; got "
+            f"{tuple(lora_a.shape)} and {tuple(lora_b.shape)}"
+        )
+    return True
+
+
+def _result_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics in at least fp32: bf16 logits lose the tail of the distribution."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
+    logits = h @ weight.T
+    if lora_a is not None:
+        logits.addmm_(h @ lora_a.to(h.dtype).T, lora_b.to(h.dtype).T, alpha=lora_scale)
+    return logits.to(_result_dtype(h.dtype))
+
+
+def _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
+    n = hidden.shape[0]
+    dtype = _result_dtype(hidden.dtype)
+    logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+    lse = torch.empty(n, dtype=dtype, device=hidden.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        logits = _chunk_logits(hidden[rows], weight, lora_a, lora_b, lora_scale)
+        torch.logsumexp(logits, dim=1, out=lse[rows])
+        torch.sub(logits.gather(1, targets[rows, None]).squeeze(1), lse[rows], out=logprobs[rows])
+    return logprobs, lse
+
+
+def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
+    """out = d logits @ d(logits)/d(hidden) for one chunk, written in place."""
+    dlogits = dlogits.to(out.dtype)
+    torch.mm(dlogits, weight, out=out)
+    if lora_a is not None:
+        out.addmm_(dlogits @ lora_b.to(out.dtype), lora_a.to(out.dtype), alpha=lora_scale)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
+        ctx.lora_scale, ctx.chunk = lora_scale, chunk
+        params_need_grad = any(ctx.needs_input_grad[i] for i in (1, 3, 4))
+        ctx.precomputed = not params_need_grad
+        if params_need_grad:
+            logprobs, lse = _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
+            ctx.save_for_backward(hidden, weight, targets, lora_a, lora_b, lse)
+            return logprobs
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=_result_dtype(hidden.dtype), device=hidden.device)
+        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        for start in range(0, n, chunk):
+            rows = slice(start, min(start + chunk, n))
+            t = targets[rows, None]
+            logits = _chunk_logits(hidden[rows], weight, lora_a, lora_b, lora_scale)
+            target_logit = logits.gather(1, t).squeeze(1)
+            row_max = logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(row_max).exp_()
+            row_sum = probs.sum(dim=1, keepdim=True)
+            torch.sub(target_logit, (row_max + row_sum.log()).squeeze(1), out=logprobs[rows])
+            dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
+            dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
+            _grad_hidden_chunk_(grad_hidden[rows], dlogits, weight, lora_a, lora_b, lora_scale)
+        ctx.save_for_backward(grad_hidden)
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        if ctx.precomputed:
+            (grad_hidden,) = ctx.saved_tensors
+            return grad_hidden * grad_logprobs[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
+        hidden, weight, targets, lora_a, lora_b, lse = ctx.saved_tensors
+        need_h, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
+        scale, n = ctx.lora_scale, hidden.shape[0]
+        acc = _result_dtype(weight.dtype)
+        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_a = torch.zeros(lora_a.shape, dtype=acc, device=hidden.device) if need_a else None
+        grad_b = torch.zeros(lora_b.shape, dtype=acc, device=hidden.device) if need_b else None
+        for start in range(0, n, ctx.chunk):
+            rows = slice(start, min(start + ctx.chunk, n))
+            h, g, t = hidden[rows], grad_logprobs[rows, None], targets[rows, None]
+            logits = _chunk_logits(h, weight, lora_a, lora_b, scale)
+            dlogits = logits.sub_(lse[rows, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
+            dlogits.scatter_add_(1, t, g.to(logits.dtype))
+            if need_h:
+                _grad_hidden_chunk_(grad_hidden[rows], dlogits, weight, lora_a, lora_b, scale)
+            h = h.to(acc)
+            if need_w:
+                grad_weight.addmm_(dlogits.T, h)
+            if need_b:
+                grad_b.addmm_(dlogits.T, h @ lora_a.to(acc).T, alpha=scale)
+            if need_a:
+                grad_a.addmm_((dlogits @ lora_b.to(acc)).T, h, alpha=scale)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if need_w else None,
+            None,
+            grad_a.to(lora_a.dtype) if need_a else None,
+            grad_b.to(lora_b.dtype) if need_b else None,
+            None,
+            None,
+        )

@@ -1,0 +1,127 @@
+"""LoRA linear layers with a hand-written backward, for one adapter or several adapters in one batch.
+
+Stock autograd on `x W^T + b + s (x A^T) B^T` allocates the rank-r update and its scaled copy (both
+output-sized) before adding them, and again in backward. Here the update is accumulated into the base output
+in place, backward keeps only `x` and `x A^T` (rank-sized), and a frozen base weight gets no gradient work.
+
+Several adapters share a batch by owning contiguous row ranges ("segments") over dim 0 of `x`: the worker
+batches whole sequences, so for `x [B, S, in]` a segment is a range of sequences, and for `x [T, in]` a range of
+tokens. Each segment runs its own two small matmuls; no per-token weight copy is gathered.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """x W^T + b + scale * (x A^T) B^T for x [..., in], weight [out, in], lora_a [r, in], lora_b [out, r]."""
+    if x.dim() == 0:
+        raise ValueError("lora_linear: x must have at least one dimension [..., in]")
+    rows = x.reshape(-1, x.shape[-1])
+    y = lora_linear_multi(rows, weight, bias, [lora_a], [lora_b], [scale], [(0, rows.shape[0])])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def lora_linear_multi(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_as: list[torch.Tensor],
+    lora_bs: list[torch.Tensor],
+    scales: list[float],
+    segments: list[tuple[int, int]],
+) -> torch.Tensor:
+    """Base linear on every row of x [D0, ..., in]; rows x[start:end] (over dim 0) also get adapter i.
+
+    Segments must be sorted and disjoint; rows outside every segment get the base output only. Adapters may
+    have different ranks. Factors are used in x's dtype; their gradients come back in their own dtype.
+    """
+    _check_inputs(x, weight, bias, lora_as, lora_bs, scales, segments)
+    rows_per_item = math.prod(x.shape[1:-1])
+    rows = x.reshape(-1, x.shape[-1])
+    row_segments = tuple((start * rows_per_item, end * rows_per_item) for start, end in segments)
+    factors = [t for pair in zip(lora_as, lora_bs) for t in pair]
+    y = _LoraLinear.apply(rows, weight, bias, row_segments, tuple(float(s) for s in scales), *factors)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_inputs(x, weight, bias, lora_as, lora_bs, scales, segments) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"lora_linear_multi: x must be [D0, ..., in], got shape {tuple(x.shape)}")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"lora_linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"lora_linear: x is {x.dtype} but weight/bias are {weight.dtype}/{None if bias is None else bias.dtype}; "
+            "cast the base layer to the activation dtype"
+        )
+    if not len(lora_as) == len(lora_bs) == len(scales) == len(segments):
+        raise ValueError(
+            f"lora_linear_multi: need one lora_a, lora_b, scale and segment per adapter, got {len(lora_as)}, "
+            f"{len(lora_bs)}, {len(scales)}, {len(segments)}"
+        )
+    for i, (a, b) in enumerate(zip(lora_as, lora_bs)):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, a.shape[0]):
+            raise ValueError(
+                f"lora_linear: adapter {i} must be lora_a [r, {in_features}] and lora_b [{out_features}, r], got "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+    previous_end = 0
+    for i, (start, end) in enumerate(segments):
+        if not previous_end <= start <= end <= x.shape[0]:
+            raise ValueError(
+                f"lora_linear_multi: segment {i} = ({start}, {end}) must be sorted, disjoint and within "
+                f"[0, {x.shape[0]}] (dim 0 of x); segments were {list(segments)}"
+            )
+        previous_end = end
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, segments, scales, *factors):
+        ctx.segments, ctx.scales = segments, scales
+        ctx.factor_dtypes = [f.dtype for f in factors]
+        lora_as, lora_bs = [f.to(x.dtype) for f in factors[0::2]], [f.to(x.dtype) for f in factors[1::2]]
+        y = F.linear(x, weight, bias)
+        xas = []
+        for (start, end), a, b, scale in zip(segments, lora_as, lora_bs, scales):
+            xa = x[start:end] @ a.T
+            y[start:end].addmm_(xa, b.T, alpha=scale)
+            xas.append(xa)
+        needs = ctx.needs_input_grad
+        keep_x = needs[1] or any(needs[5::2])
+        keep_xa = any(needs[6::2])
+        ctx.save_for_backward(x if keep_x else None, weight, *lora_as, *lora_bs, *(xas if keep_xa else ()))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        n_adapters = len(ctx.segments)
+        x, weight, *rest = ctx.saved_tensors
+        lora_as, lora_bs, xas = rest[:n_adapters], rest[n_adapters : 2 * n_adapters], rest[2 * n_adapters :]
+        need_x, need_w, need_bias = ctx.needs_input_grad[:3]
+        grad_y = grad_y.reshape(-1, weight.shape[0])
+        grad_x = grad_y @ weight if need_x else None
+        grad_w = grad_y.T @ x if need_w else None
+        grad_bias = grad_y.sum(0) if need_bias else None
+        grad_factors = []
+        for i, ((start, end), scale) in enumerate(zip(ctx.segments, ctx.scales)):
+            need_a, need_b = ctx.needs_input_grad[5 + 2 * i : 7 + 2 * i]
+            g = grad_y[start:end]
+            g_xa = (g @ lora_bs[i]).mul_(scale) if need_x or need_a else None  # d loss / d (x A^T)
+            if need_x:
+                grad_x[start:end].addmm_(g_xa, lora_as[i])
+            grad_factors.append(g_xa.T @ x[start:end] if need_a else None)
+            grad_factors.append((g.T @ xas[i]).mul_(scale) if need_b else None)
+        grad_factors = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grad_factors, ctx.factor_dtypes)]
+        return grad_x, grad_w, grad_bias, None, None, *grad_factors

@@ -1,0 +1,81 @@
+"""RMSNorm and SwiGLU with backwards that keep only their inputs.
+
+`F.rms_norm` exists in this torch, but on CPU its autograd is the composite decomposition (six saved tensors,
+four of them activation-sized) and the fused `_fused_rms_norm_backward` has no CPU kernel, so RMSNorm is a
+hand-written Function that saves `x` and the per-row inverse RMS only. Its forward follows Hugging Face's
+LlamaRMSNorm rounding (normalise in fp32, cast, then scale by the weight), so swapping it in changes no numbers.
+
+Autograd on `silu(gate) * up` saves gate, up and silu(gate); `swiglu` saves gate and up and recomputes the
+activation in backward.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim, statistics in at least fp32."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(_compute_dtype(x.dtype))
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, inv_rms)
+        return weight * (x32 * inv_rms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, inv_rms = ctx.saved_tensors
+        dtype = _compute_dtype(x.dtype)
+        x_hat = x.to(dtype) * inv_rms
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            rows = (grad_y * x_hat.to(x.dtype)).to(dtype)
+            grad_weight = rows.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x_hat = (grad_y * weight).to(dtype)
+            # d/dx of x * r(x), r = mean(x^2)^-1/2: r * (g - x_hat * mean(g * x_hat))
+            projection = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+            grad_x = grad_x_hat.sub_(x_hat.mul_(projection)).mul_(inv_rms).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the Llama MLP activation, recomputing silu(gate) in backward instead of saving it."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(
+            f"swiglu: gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        gate, up = ctx.saved_tensors
+        dtype = _compute_dtype(gate.dtype)
+        gate = gate.to(dtype)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_up = (grad_y * silu.to(up.dtype)) if ctx.needs_input_grad[1] else None
+        grad_gate = None
+        if ctx.needs_input_grad[0]:
+            # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))) = sigmoid(g) * (1 + g - silu(g))
+            d_silu = silu.neg_().add_(gate).add_(1).mul_(sig)
+            grad_gate = d_silu.mul_(grad_y).mul_(up).to(up.dtype)
+        return grad_gate, grad_up

@@ -1,0 +1,70 @@
+"""Where model directories live on disk, and how one appears there atomically.
+
+Several workers may start at once on a fresh machine and all ask for the same model. Each builds it in a
+private staging directory next to the target and renames it into place: a rename within one filesystem is
+atomic, so a reader sees either no directory or a complete one, and the losers of the race throw their copy away.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def cache_dir() -> Path:
+    """The Bios cache: `$BIOS_CACHE_DIR`, else `~/.cache/bios`. Not created here."""
+    configured = os.environ.get("BIOS_CACHE_DIR", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "bios"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def model_dir_for(name: str) -> Path:
+    """The cache directory of a named model: `bios/tiny-llama` -> `<cache>/models/bios--tiny-llama`."""
+    return models_dir() / name.replace("/", "--")
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@contextmanager
+def staged_model_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty staging directory; on a clean exit, publish it as `final` unless another process won.
+
+    The staging directory sits beside `final` (same filesystem, so the rename is atomic) and is removed
+    whatever happens, so a failed build leaves nothing behind.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
+    try:
+        yield stage
+        _publish(stage, final)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish(stage: Path, final: Path) -> None:
+    # mkdtemp makes the directory 0700 and safetensors writes 0600; the cache is meant to be shared.
+    stage.chmod(0o755)
+    for path in stage.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    try:
+        os.rename(stage, final)
+    except OSError:
+        if is_model_dir(final):
+            return  # another process published the same model first; its copy is as good as ours
+        raise OSError(
+            f"cannot publish model directory {final}: it exists but holds no config.json; "
+            f"delete it and retry"
+        ) from None

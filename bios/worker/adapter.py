@@ -1,0 +1,263 @@
+"""One LoRA adapter's trainable state: where it attaches, how it starts, and its flat fp32 buffers.
+
+Every adapter keeps five flat fp32 buffers of the same length: `params`, `grad` (committed gradient of the
+current optimizer step), `pending_grad` (this cycle's contributions, added to `grad` only on commit so an
+aborted cycle can be dropped), `exp_avg` and `exp_avg_sq`. The per-layer LoRA matrices are views into
+`params`; each view is a leaf with `requires_grad=True` whose `.grad` is the matching view of `pending_grad`,
+so autograd's in-place accumulation writes straight into the flat buffer, and the optimizer, all-reduce and
+checkpoint code each see a single tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from bios.exceptions import BadRequestError
+from bios.types import LoraConfig
+
+# LoRA output scale = LORA_ALPHA / rank (the PEFT `lora_alpha` convention, Tinker's alpha). With this
+# scaling and Adam, the first steps of training look the same at every rank, so a learning rate found at one
+# rank carries over to another.
+LORA_ALPHA = 32
+
+_ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_PEFT_PREFIX = "base_model.model."
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """A linear layer an adapter attaches to: `y = W x + scale * B A x` with A [rank, in], B [out, rank]."""
+
+    module_name: str
+    in_features: int
+    out_features: int
+
+
+def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
+    """The linear layers `config` trains, in module order.
+
+    Llama-family models (any model with `q_proj`/.../`down_proj` layers: Llama, Mistral, Qwen, SmolLM...):
+    the attention projections when `train_attn`, the MLP projections when `train_mlp`. Other models: every
+    `nn.Linear` apart from the output head, counted as attention when its path mentions "attn"/"attention"
+    and as MLP otherwise. The output head (`get_output_embeddings()`) when `train_unembed`.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    llama_family = any(name.rsplit(".", 1)[-1] in _ATTN_PROJECTIONS + _MLP_PROJECTIONS for name, _ in linears)
+    targets = []
+    for name, module in linears:
+        if module is head:
+            wanted = config.train_unembed
+        elif llama_family:
+            leaf = name.rsplit(".", 1)[-1]
+            wanted = (leaf in _ATTN_PROJECTIONS and config.train_attn) or (
+                leaf in _MLP_PROJECTIONS and config.train_mlp
+            )
+        else:
+            is_attn = any("attn" in part or "attention" in part for part in name.split("."))
+            wanted = config.train_attn if is_attn else config.train_mlp
+        if wanted:
+            targets.append(LoraTarget(name, module.in_features, module.out_features))
+    return targets
+
+
+def validate_lora_config(model: nn.Module, config: LoraConfig) -> None:
+    """Raise `BadRequestError` naming the offending field if `config` cannot build an adapter on `model`."""
+    for flag in ("train_attn", "train_mlp", "train_unembed"):
+        if not isinstance(getattr(config, flag), bool):
+            raise BadRequestError(f"LoRA {flag} must be true or false, got {getattr(config, flag)!r}", field=flag)
+    if config.seed is not None and (
+        isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed <= _MAX_SEED
+    ):
+        raise BadRequestError(
+            f"LoRA seed must be an integer between 0 and {_MAX_SEED} (or None for a random seed), "
+            f"got {config.seed!r}",
+            field="seed",
+        )
+    targets = lora_targets(model, config)
+    if not targets:
+        raise BadRequestError(
+            "LoRA config trains no layer of this model: set at least one of train_attn, train_mlp, "
+            "train_unembed to true",
+            field="train_attn",
+        )
+    smallest = min(min(t.in_features, t.out_features) for t in targets)
+    max_rank = 1 << (smallest.bit_length() - 1)
+    rank = config.rank
+    if (
+        isinstance(rank, bool)
+        or not isinstance(rank, int)
+        or rank < 1
+        or rank > smallest
+        or rank & (rank - 1)
+    ):
+        raise BadRequestError(
+            f"LoRA rank must be a power of two between 1 and {max_rank} for this model (its smallest target "
+            f"layer has min(in, out) = {smallest}), got {rank!r}",
+            field="rank",
+        )
+
+
+def init_lora_weights(targets: list[LoraTarget], rank: int, seed: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """The starting (A, B) of every target, as fp32 CPU tensors, from one generator seeded with `seed`.
+
+    A ~ U(-1/sqrt(in), 1/sqrt(in)), which is PEFT's `kaiming_uniform_(a=sqrt(5))`; B = 0 so the adapter starts
+    as the identity. Targets draw in list order, so the same seed and targets always give the same start on
+    any device.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    weights = {}
+    for target in targets:
+        bound = 1.0 / math.sqrt(target.in_features)
+        lora_a = torch.empty(rank, target.in_features).uniform_(-bound, bound, generator=generator)
+        lora_b = torch.zeros(target.out_features, rank)
+        weights[target.module_name] = (lora_a, lora_b)
+    return weights
+
+
+def _peft_keys(module_name: str) -> tuple[str, str]:
+    return (f"{_PEFT_PREFIX}{module_name}.lora_A.weight", f"{_PEFT_PREFIX}{module_name}.lora_B.weight")
+
+
+class AdapterState:
+    """One LoRA adapter: flat fp32 buffers for params, gradients and Adam moments, plus its step count."""
+
+    def __init__(
+        self,
+        model_id: str,
+        config: LoraConfig,
+        targets: list[LoraTarget],
+        seed: int,
+        device: torch.device | str,
+    ) -> None:
+        self.model_id = model_id
+        self.config = config
+        self.targets = targets
+        self.seed = seed
+        self.scale = LORA_ALPHA / config.rank
+        self.step = 0
+        rank = config.rank
+        total = sum(rank * (t.in_features + t.out_features) for t in targets)
+        self.params = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grad = torch.zeros_like(self.params)
+        self.pending_grad = torch.zeros_like(self.params)
+        self.exp_avg = torch.zeros_like(self.params)
+        self.exp_avg_sq = torch.zeros_like(self.params)
+        self._pairs: dict[str, tuple[Tensor, Tensor]] = {}
+        offset = 0
+        for target in targets:
+            pair = []
+            for shape in ((rank, target.in_features), (target.out_features, rank)):
+                size = shape[0] * shape[1]
+                view = self.params[offset : offset + size].view(shape)
+                view.requires_grad_(True)
+                view.grad = self.pending_grad[offset : offset + size].view(shape)
+                pair.append(view)
+                offset += size
+            self._pairs[target.module_name] = (pair[0], pair[1])
+
+    @classmethod
+    def create(
+        cls, model_id: str, model: nn.Module, config: LoraConfig, *, device: torch.device | str
+    ) -> AdapterState:
+        """A fresh adapter for `model`: validated config, weights from `init_lora_weights` (random seed if None)."""
+        validate_lora_config(model, config)
+        seed = config.seed if config.seed is not None else secrets.randbits(63)
+        targets = lora_targets(model, config)
+        state = cls(model_id, config, targets, seed, device)
+        with torch.no_grad():
+            for name, (lora_a, lora_b) in init_lora_weights(targets, config.rank, seed).items():
+                view_a, view_b = state._pairs[name]
+                view_a.copy_(lora_a)
+                view_b.copy_(lora_b)
+        return state
+
+    def lora_pair(self, module_name: str) -> tuple[Tensor, Tensor]:
+        """The (A [rank, in], B [out, rank]) views of `module_name`; KeyError if this adapter does not train it."""
+        return self._pairs[module_name]
+
+    def has_target(self, module_name: str) -> bool:
+        return module_name in self._pairs
+
+    def grad_views_intact(self) -> bool:
+        """True while every A/B `.grad` still aliases `pending_grad` (autograd only ever adds into it)."""
+        start, end = self.pending_grad.data_ptr(), self.pending_grad.data_ptr() + self.pending_grad.nbytes
+        return all(
+            view.grad is not None and start <= view.grad.data_ptr() < end
+            for pair in self._pairs.values()
+            for view in pair
+        )
+
+    def num_parameters(self) -> int:
+        return self.params.numel()
+
+    def checksum(self) -> float:
+        """A cheap fingerprint of the parameters: replicas that applied the same updates report the same value."""
+        values = self.params.detach().double()
+        return float(values.sum() + values.square().sum())
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Copies of the LoRA matrices under PEFT's key names, so the dict saves as a loadable PEFT adapter."""
+        result = {}
+        for name, (lora_a, lora_b) in self._pairs.items():
+            key_a, key_b = _peft_keys(name)
+            result[key_a] = lora_a.detach().clone()
+            result[key_b] = lora_b.detach().clone()
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy LoRA matrices in (strict: exactly this adapter's keys and shapes); nothing changes on error."""
+        expected = {}
+        for name, (lora_a, lora_b) in self._pairs.items():
+            key_a, key_b = _peft_keys(name)
+            expected[key_a], expected[key_b] = lora_a, lora_b
+        missing = sorted(expected.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - expected.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"adapter state does not match this adapter ({len(self.targets)} target layers, rank "
+                f"{self.config.rank}): missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                f"unexpected keys {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+            )
+        for key, view in expected.items():
+            if tuple(state_dict[key].shape) != tuple(view.shape):
+                raise ValueError(
+                    f"adapter state key {key} has shape {tuple(state_dict[key].shape)}, this adapter needs "
+                    f"{tuple(view.shape)} (rank {self.config.rank}): was it saved from a different rank or model?"
+                )
+        with torch.no_grad():
+            for key, view in expected.items():
+                view.copy_(state_dict[key])
+
+    def optimizer_state(self) -> dict[str, Tensor]:
+        """Copies of the Adam moments (flat, in `params` layout) and the step count."""
+        return {
+            "exp_avg": self.exp_avg.detach().clone(),
+            "exp_avg_sq": self.exp_avg_sq.detach().clone(),
+            "step": torch.tensor(self.step, dtype=torch.int64),
+        }
+
+    def load_optimizer_state(self, state_dict: dict[str, Tensor]) -> None:
+        """Restore the Adam moments and step count saved by `optimizer_state`; nothing changes on error."""
+        keys = {"exp_avg", "exp_avg_sq", "step"}
+        if state_dict.keys() != keys:
+            raise ValueError(f"optimizer state needs exactly the keys {sorted(keys)}, got {sorted(state_dict)}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if tuple(state_dict[key].shape) != tuple(self.params.shape):
+                raise ValueError(
+                    f"optimizer state {key} has shape {tuple(state_dict[key].shape)}, this adapter needs "
+                    f"{tuple(self.params.shape)}: was it saved from a different rank or model?"
+                )
+        step = int(state_dict["step"])
+        if step < 0:
+            raise ValueError(f"optimizer state step must be >= 0, got {step}")
+        self.exp_avg.copy_(state_dict["exp_avg"])
+        self.exp_avg_sq.copy_(state_dict["exp_avg_sq"])
+        self.step = step

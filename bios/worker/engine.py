@@ -1,0 +1,229 @@
+"""The worker's training ops as plain functions: forward/backward over many adapters, commit, optimizer step.
+
+A cycle calls `forward_backward` with every forward/forward_backward request of one base model; rows of all
+adapters run together (grouped per adapter so each LoRA layer loops over a few row ranges), split into
+micro-batches by a padded-token budget. Gradients land in each adapter's `pending_grad`; the daemon then
+all-reduces them if needed and calls `commit_gradients` (or `discard_gradients` when the cycle aborts), and
+`optim_step` applies AdamW to the committed gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from bios.kernels.adamw import adamw_step
+from bios.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
+from bios.worker.adapter import AdapterState
+from bios.worker.losses import compute_loss, resolve_config, validate_inputs
+from bios.worker.lora import active_adapters, attach_lora
+
+
+@dataclass
+class ForwardItem:
+    """One request's share of a cycle: its adapter, its data, its loss, and whether to skip the backward."""
+
+    adapter: AdapterState
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class _Row:
+    """One datum ready to run: where its result goes, its tokens, targets and loss inputs as tensors."""
+
+    item: int
+    index: int
+    adapter: AdapterState
+    tokens: Tensor
+    targets: Tensor
+    inputs: dict[str, Tensor]
+
+
+def target_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor) -> Tensor:
+    """log p(targets[t]) from final hidden states [T, H] through the output head, in fp32, shape [T].
+
+    The head is called as a module so a LoRA on it (active for the same rows) applies. This is the naive
+    version that materialises [T, V] logits; a fused chunked linear cross-entropy replaces it.
+    """
+    logits = lm_head(hidden).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
+    """Check and convert every datum before any compute, so a bad one fails the call with nothing changed."""
+    vocab_in = model.get_input_embeddings().num_embeddings
+    vocab_out = model.get_output_embeddings().out_features
+    rows = []
+    for item_index, item in enumerate(items):
+        resolve_config(item.loss_fn, item.loss_fn_config)
+        for datum_index, datum in enumerate(item.data):
+            where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}"
+            tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
+            if tokens.numel() == 0:
+                raise ValueError(f"{where}: model_input has no tokens")
+            inputs = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
+            try:
+                validate_inputs(item.loss_fn, inputs, tokens.numel())
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
+            targets = inputs["target_tokens"]
+            if targets.is_floating_point():
+                raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be int64 token ids, got float32")
+            for name, ids, limit in (("model_input", tokens, vocab_in), ("target_tokens", targets, vocab_out)):
+                if int(ids.min()) < 0 or int(ids.max()) >= limit:
+                    raise ValueError(
+                        f"{where}: {name} holds token id {int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, "
+                        f"outside this model's vocabulary [0, {limit})"
+                    )
+            rows.append(_Row(item_index, datum_index, item.adapter, tokens, targets.to(torch.int64), inputs))
+    return rows
+
+
+def _group_rows(rows: list[_Row]) -> list[_Row]:
+    """Rows of one adapter together (in order of first appearance), longest first within an adapter."""
+    first_seen: dict[int, int] = {}
+    for row in rows:
+        first_seen.setdefault(id(row.adapter), len(first_seen))
+    return sorted(rows, key=lambda row: (first_seen[id(row.adapter)], -row.tokens.numel()))
+
+
+def _micro_batches(rows: list[_Row], max_tokens_per_pass: int) -> list[list[_Row]]:
+    """Consecutive runs of rows whose padded size (rows x longest) fits the budget; a longer row runs alone."""
+    batches: list[list[_Row]] = []
+    current: list[_Row] = []
+    longest = 0
+    for row in rows:
+        length = row.tokens.numel()
+        if current and (len(current) + 1) * max(longest, length) > max_tokens_per_pass:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int, int, AdapterState]]:
+    """[start, end) ranges of consecutive entries that share an adapter, over entries of the given sizes."""
+    segments: list[tuple[int, int, AdapterState]] = []
+    start = 0
+    for size, adapter in zip(sizes, adapters):
+        if segments and segments[-1][2] is adapter:
+            segments[-1] = (segments[-1][0], start + size, adapter)
+        else:
+            segments.append((start, start + size, adapter))
+        start += size
+    return segments
+
+
+def _run_pass(
+    model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool
+) -> tuple[list[Tensor], list[float]]:
+    """One padded forward pass over `rows` (and one backward of their summed loss if `backward`).
+
+    Right padding with a causal model means real tokens never see the pads, so outputs do not depend on
+    what else shares the batch. Only real positions go through the head.
+    """
+    device = model.get_input_embeddings().weight.device
+    lengths = [row.tokens.numel() for row in rows]
+    adapters = [row.adapter for row in rows]
+    input_ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, : lengths[i]] = row.tokens
+        attention_mask[i, : lengths[i]] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    targets = torch.cat([row.targets for row in rows]).to(device)
+    with torch.set_grad_enabled(backward):
+        with active_adapters(model, _segments([1] * len(rows), adapters)):
+            hidden = model.base_model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
+        with active_adapters(model, _segments(lengths, adapters)):
+            logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
+        per_row = list(torch.split(logprobs, lengths))
+        losses = [
+            compute_loss(items[row.item].loss_fn, row_logprobs, row.inputs, items[row.item].loss_fn_config)
+            for row, row_logprobs in zip(rows, per_row)
+        ]
+        stacked = torch.stack(losses)
+        if backward:
+            stacked.sum().backward()
+    return [lp.detach() for lp in per_row], stacked.detach().tolist()
+
+
+def forward_backward(
+    model: nn.Module, items: list[ForwardItem], *, max_tokens_per_pass: int = 16384
+) -> list[ForwardBackwardOutput]:
+    """Log-probs and summed loss of every datum of every item; gradients into `pending_grad` unless forward_only.
+
+    Rows needing gradients and forward-only rows run in separate passes, so forward-only items build no graph.
+    Raises ValueError (before computing anything) on an unknown loss or config key, a missing input, a length
+    mismatch or a token id outside the vocabulary.
+    """
+    attach_lora(model)
+    rows = _prepare_rows(model, items)
+    for item in items:
+        if not item.forward_only and not item.adapter.grad_views_intact():
+            raise RuntimeError(
+                f"adapter {item.adapter.model_id}: a LoRA .grad no longer aliases pending_grad; gradients would be lost"
+            )
+    logprobs: list[list[Tensor | None]] = [[None] * len(item.data) for item in items]
+    loss_sums = [0.0] * len(items)
+    for backward in (True, False):
+        selected = [row for row in rows if items[row.item].forward_only != backward]
+        for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass):
+            batch_logprobs, batch_losses = _run_pass(model, batch, items, backward=backward)
+            for row, row_logprobs, loss in zip(batch, batch_logprobs, batch_losses):
+                logprobs[row.item][row.index] = row_logprobs
+                loss_sums[row.item] += loss
+    return [
+        ForwardBackwardOutput(
+            loss_fn_output_type="ArrayRecord",
+            loss_fn_outputs=[{"logprobs": TensorData.from_torch(lp)} for lp in item_logprobs],
+            metrics={"loss:sum": loss_sum},
+        )
+        for item_logprobs, loss_sum in zip(logprobs, loss_sums)
+    ]
+
+
+@torch.no_grad()
+def commit_gradients(adapter: AdapterState) -> float:
+    """Add this cycle's gradient into the step's gradient; return the L2 norm of the accumulated gradient."""
+    adapter.grad.add_(adapter.pending_grad)
+    adapter.pending_grad.zero_()
+    return float(torch.linalg.vector_norm(adapter.grad))
+
+
+@torch.no_grad()
+def discard_gradients(adapter: AdapterState) -> None:
+    """Drop this cycle's gradient contributions (an aborted cycle); the committed gradient is untouched."""
+    adapter.pending_grad.zero_()
+
+
+def optim_step(adapter: AdapterState, params: AdamParams) -> OptimStepResponse:
+    """One AdamW step on the committed gradient, which is then cleared for the next step."""
+    adapter.step += 1
+    grad_norm = adamw_step(
+        adapter.params,
+        adapter.grad,
+        adapter.exp_avg,
+        adapter.exp_avg_sq,
+        step=adapter.step,
+        lr=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
+    )
+    adapter.grad.zero_()
+    return OptimStepResponse(
+        metrics={"learning_rate:mean": params.learning_rate, "grad_norm:mean": grad_norm, "step:max": adapter.step}
+    )

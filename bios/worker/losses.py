@@ -1,0 +1,221 @@
+"""The built-in losses, one datum at a time, as plain differentiable functions of the learner's log-probs.
+
+Every loss is a SUM over the datum's tokens with no normalisation (Tinker's convention), so results add up
+across datums, micro-batches, calls and workers. Notation: `logp` = the learner's log p(target_i) [N],
+`q` = the sampler's log-probs (`inputs["logprobs"]`), `A` = `inputs["advantages"]`, `r = exp(logp - q)`,
+`sg` = stop-gradient. Formulas for cross_entropy, importance_sampling, ppo and cispo are Tinker's documented
+ones; dro, gspo and stable_reinforce have no public Tinker formula, so each docstring says which one we chose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+LossCompute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
+
+
+@dataclass(frozen=True)
+class LossFn:
+    """A named loss: the inputs it needs, the inputs it also reads, its config keys with defaults, and how."""
+
+    name: str
+    compute: LossCompute
+    required_inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    config_defaults: Mapping[str, float] = field(default_factory=dict)
+
+
+def _ratio(logp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+    return torch.exp(logp - inputs["logprobs"])
+
+
+def _clip_bounds(inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
+    """Clip thresholds: per-token tensors in `inputs` win over the scalar config values."""
+    low = inputs.get("clip_low_threshold", config["clip_low_threshold"])
+    high = inputs.get("clip_high_threshold", config["clip_high_threshold"])
+    return low, high
+
+
+def _clip(ratio: Tensor, low: Tensor | float, high: Tensor | float) -> Tensor:
+    if isinstance(low, Tensor) or isinstance(high, Tensor):
+        low = torch.as_tensor(low, dtype=ratio.dtype, device=ratio.device)
+        high = torch.as_tensor(high, dtype=ratio.dtype, device=ratio.device)
+    return torch.clamp(ratio, low, high)
+
+
+def _sampled_mask(inputs: Mapping[str, Tensor]) -> Tensor:
+    """Which tokens are sampled completion tokens: `sequence_ratio_mask` if given, else tokens with A != 0.
+
+    The Tinker cookbook gives prompt and observation tokens advantage 0 and sampler log-prob 0 and strips its
+    own mask before sending, so A != 0 is the only mark of a sampled token a Tinker client leaves. A penalty
+    towards q on prompt tokens (q = 0 there) would push their log-probs towards 0, hence the mask.
+    """
+    if "sequence_ratio_mask" in inputs:
+        return inputs["sequence_ratio_mask"]
+    return (inputs["advantages"] != 0).to(inputs["advantages"].dtype)
+
+
+def cross_entropy(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-(weights * logp).sum()`; weights may be any real number (forward_backward_custom sends -dL/dlogp)."""
+    return -(inputs["weights"] * logp).sum()
+
+
+def importance_sampling(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-(r * A).sum()`: the policy gradient corrected for the sampler differing from the learner."""
+    return -(_ratio(logp, inputs) * inputs["advantages"]).sum()
+
+
+def ppo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-min(r * A, clip(r, low, high) * A).sum()`, thresholds from config (0.8, 1.2) or per-token inputs."""
+    ratio = _ratio(logp, inputs)
+    advantages = inputs["advantages"]
+    clipped = _clip(ratio, *_clip_bounds(inputs, config))
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
+def cispo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-(sg(clip(r, low, high)) * logp * A).sum()`: clipped importance weights that never stop a token's gradient."""
+    weight = _clip(_ratio(logp, inputs), *_clip_bounds(inputs, config)).detach()
+    return -(weight * logp * inputs["advantages"]).sum()
+
+
+def dro(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-(m * (A * logp - beta/2 * (logp - q)**2)).sum()`, m = sampled-token mask, beta from config (0.1).
+
+    Direct Reward Optimisation (Richemond et al. 2024, "Offline Regularised Reinforcement Learning for LLM
+    Alignment") minimises the squared residual `1/2 (A - beta * log(pi/q))**2` per token; dividing it by beta
+    and dropping the constant gives this form, with the same minimiser and the same gradient direction, but
+    whose on-policy gradient (logp = q) equals importance_sampling's, so a learning rate carries over. It is
+    also verl's "dro" policy loss. The quadratic term keeps the learner near the sampler without clipping.
+    """
+    mask = _sampled_mask(inputs)
+    residual = logp - inputs["logprobs"]
+    return -(mask * (inputs["advantages"] * logp - 0.5 * config["beta"] * residual.square())).sum()
+
+
+def gspo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """`-(m * min(s_t * A, clip(s_t, low, high) * A)).sum()` with the GSPO sequence ratio.
+
+    GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): s = exp(mean over masked tokens of
+    (logp - q)), m = `sequence_ratio_mask`. We use the paper's GSPO-token form s_t = sg(s) * exp(logp_t -
+    sg(logp_t)) (value s, gradient flowing through each token) and, like every Tinker loss, sum over tokens
+    rather than average, so on-policy its gradient equals importance_sampling's. Clipping is decided per
+    sequence on s; default thresholds are the paper's 1 - 3e-4 and 1 + 4e-4 (sequence ratios stay close to
+    1), overridable in config or per token.
+    """
+    mask = inputs["sequence_ratio_mask"]
+    seq_log_ratio = (mask * (logp - inputs["logprobs"])).sum() / mask.sum().clamp(min=1)
+    token_ratio = torch.exp(seq_log_ratio.detach() + logp - logp.detach())
+    advantages = inputs["advantages"]
+    clipped = _clip(token_ratio, *_clip_bounds(inputs, config))
+    return -(mask * torch.minimum(token_ratio * advantages, clipped * advantages)).sum()
+
+
+def stable_reinforce(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    """importance_sampling plus `kl_coeff * (m * k3).sum()`, k3 = exp(q - logp) - (q - logp) - 1, m = sampled mask.
+
+    Tinker's version uses stability info its sampler recorded per sequence, which a client cannot send; the
+    fallback the wire notes suggest is importance sampling with a small KL penalty towards the sampler. k3 is
+    Schulman's non-negative KL estimator as GRPO uses it (here KL(learner || sampler)); kl_coeff defaults to
+    the cookbook's 0.01.
+    """
+    mask = _sampled_mask(inputs)
+    log_ratio = inputs["logprobs"] - logp
+    k3 = torch.exp(log_ratio) - log_ratio - 1
+    return importance_sampling(logp, inputs, config) + config["kl_coeff"] * (mask * k3).sum()
+
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+_CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
+
+LOSS_FNS: dict[str, LossFn] = {
+    loss.name: loss
+    for loss in (
+        LossFn("cross_entropy", cross_entropy, ("target_tokens", "weights")),
+        LossFn("importance_sampling", importance_sampling, _RL_INPUTS),
+        LossFn(
+            "ppo", ppo, _RL_INPUTS, _CLIP_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+        ),
+        LossFn(
+            "cispo", cispo, _RL_INPUTS, _CLIP_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+        ),
+        LossFn("dro", dro, _RL_INPUTS, ("sequence_ratio_mask",), {"beta": 0.1}),
+        LossFn(
+            "gspo",
+            gspo,
+            (*_RL_INPUTS, "sequence_ratio_mask"),
+            _CLIP_INPUTS,
+            {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
+        ),
+        LossFn("stable_reinforce", stable_reinforce, _RL_INPUTS, ("sequence_ratio_mask",), {"kl_coeff": 0.01}),
+    )
+}
+
+
+def _loss(loss_fn: str) -> LossFn:
+    if loss_fn not in LOSS_FNS:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; the built-in losses are {sorted(LOSS_FNS)}")
+    return LOSS_FNS[loss_fn]
+
+
+def required_inputs(loss_fn: str) -> tuple[str, ...]:
+    """The `loss_fn_inputs` keys every datum must carry for `loss_fn` (each a per-token [N] tensor)."""
+    return _loss(loss_fn).required_inputs
+
+
+def resolve_config(loss_fn: str, config: Mapping[str, float] | None) -> dict[str, float]:
+    """`config` over the loss's defaults; ValueError on an unknown key or a non-finite value."""
+    loss = _loss(loss_fn)
+    given = dict(config or {})
+    unknown = sorted(given.keys() - loss.config_defaults.keys())
+    if unknown:
+        allowed = sorted(loss.config_defaults) or "none"
+        raise ValueError(f"loss_fn_config keys {unknown} are not used by {loss_fn} (it accepts: {allowed})")
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+    resolved = {**loss.config_defaults, **{key: float(value) for key, value in given.items()}}
+    if "clip_low_threshold" in resolved and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]:
+        raise ValueError(
+            f"loss_fn_config clip_low_threshold ({resolved['clip_low_threshold']}) must not exceed "
+            f"clip_high_threshold ({resolved['clip_high_threshold']})"
+        )
+    return resolved
+
+
+def validate_inputs(loss_fn: str, inputs: Mapping[str, Tensor], num_tokens: int) -> None:
+    """ValueError naming the problem if a required input is missing or an input the loss reads is not [N]."""
+    loss = _loss(loss_fn)
+    missing = [key for key in loss.required_inputs if key not in inputs]
+    if missing:
+        raise ValueError(f"loss {loss_fn} needs loss_fn_inputs {list(loss.required_inputs)}; missing {missing}")
+    for key in (*loss.required_inputs, *loss.optional_inputs):
+        if key in inputs and tuple(inputs[key].shape) != (num_tokens,):
+            raise ValueError(
+                f"loss_fn_inputs[{key!r}] has shape {tuple(inputs[key].shape)}, but the datum has {num_tokens} "
+                f"input tokens, so it must have shape ({num_tokens},)"
+            )
+
+
+def compute_loss(
+    loss_fn: str, logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float] | None
+) -> Tensor:
+    """The summed loss of one datum. `logprobs` [N] is the learner's log p(target); `inputs` that datum's inputs.
+
+    Raises ValueError naming the problem for an unknown loss or config key, a missing required input, or an
+    input whose shape is not [N]. Inputs the loss does not read are ignored.
+    """
+    loss = _loss(loss_fn)
+    resolved = resolve_config(loss_fn, config)
+    validate_inputs(loss_fn, inputs, logprobs.shape[0])
+    used = {
+        key: inputs[key] if key == "target_tokens" else inputs[key].to(dtype=logprobs.dtype, device=logprobs.device)
+        for key in (*loss.required_inputs, *loss.optional_inputs)
+        if key in inputs
+    }
+    return loss.compute(logprobs, used, resolved)
