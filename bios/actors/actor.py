@@ -71,6 +71,7 @@ class ActorRef:
         self._actor = factory()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._stopping = False
 
     @property
     def actor(self) -> Actor:
@@ -78,7 +79,7 @@ class ActorRef:
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._stopped
+        return self._task is not None and not self._stopped and not self._stopping
 
     def start(self) -> ActorRef:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
@@ -105,6 +106,7 @@ class ActorRef:
 
     async def stop(self) -> None:
         """Process what is already queued, then stop."""
+        self._stopping = True
         if self._task is None or self._stopped:
             self._stopped = True
             return

@@ -67,6 +67,10 @@ class RemoteRef:
     async def tell(self, body: Any) -> None:
         await self._dealer.send(Envelope(next_message_id(), body))
 
+    async def reply(self, to: Envelope, body: Any) -> None:
+        """Answer an ask the other side sent us."""
+        await self._dealer.send(Envelope(next_message_id(), body, to.id))
+
     def ask_future(self, body: Any) -> tuple[asyncio.Future[Any], Awaitable[None]]:
         """Register the reply slot before sending, so no reply can be missed; returns (reply, send)."""
         env_id = next_message_id()

@@ -62,11 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         import uvloop
-
-        uvloop.install()
     except ImportError:
-        pass
-    asyncio.run(run(args))
+        asyncio.run(run(args))
+    else:
+        uvloop.run(run(args))
     return 0
 
 

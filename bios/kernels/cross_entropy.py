@@ -10,12 +10,17 @@ logits instead (one extra head matmul, no stored logits).
 
 import torch
 
-_LOGITS_PER_CHUNK = 1 << 23  # ~32 MiB of fp32 logits per chunk: big enough matmuls, small next to naive
+_LOGITS_PER_CHUNK = 1 << 26  # 256 MiB of fp32 logits at most
+_MAX_ROWS_PER_CHUNK = 512  # enough rows that streaming the [V, H] head through the matmul is not the bottleneck
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk of fp32 logits stays near 32 MiB whatever the vocabulary."""
-    return max(32, _LOGITS_PER_CHUNK // max(vocab_size, 1))
+    """Rows per chunk: 512 (below that, re-reading the head per chunk costs time), fewer for huge vocabularies.
+
+    Measured on 2 CPU cores, N=1024, H=2048, V=128256 fwd+bwd: 64 rows 21 s (slower than naive), 256 rows 8.0 s,
+    512 rows 6.7 s, naive 20 s.
+    """
+    return max(32, min(_MAX_ROWS_PER_CHUNK, _LOGITS_PER_CHUNK // max(vocab_size, 1)))
 
 
 def linear_cross_entropy(

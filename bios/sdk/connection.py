@@ -1,0 +1,195 @@
+"""One session with a coordinator, driven by a private event loop on a daemon thread.
+
+Sync and async callers alike hand their requests to this loop, so requests from one client leave in call order
+and results are routed back wherever the caller waits. Results arrive as `RequestDone` pushes, matched to
+requests by their deterministic request ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+import bios
+from bios import exceptions
+from bios import messages as m
+from bios.actors.remote import RemoteCallError, RemoteError, RemoteRef
+from bios.transport.codec import Envelope
+from bios.transport.sockets import Dealer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HEARTBEAT_S = 10.0
+MISSED_HEARTBEATS = 3
+
+
+def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPIError:
+    """Rebuild the server's error as the matching `bios.exceptions` class."""
+    cls = exceptions.ERROR_TYPES.get(error.type, exceptions.RequestFailedError)
+    if ran and cls.category != "user":
+        cls = exceptions.RequestFailedError
+    if cls is exceptions.RateLimitError:
+        return exceptions.RateLimitError(error.message, retry_after=error.retry_after or 1.0,
+                                         request_id=error.request_id, field=error.field)
+    return cls(error.message, request_id=error.request_id, field=error.field)
+
+
+class Connection:
+    def __init__(self, address: str, api_key: str | None, *, connect_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bios-sdk", daemon=True)
+        self._thread.start()
+        self._results: dict[str, concurrent.futures.Future[Any]] = {}
+        self._early: dict[str, m.RequestDone] = {}
+        self._closed = False
+        self.codec = m.make_codec()
+        welcome = self.run(self._open(api_key, connect_timeout_s), timeout=connect_timeout_s + 5)
+        self.session_id: str = welcome.session_id
+        self.cycle_s: float = welcome.cycle_s
+
+    async def _open(self, api_key: str | None, timeout: float) -> m.Welcome:
+        self._ctx = zmq.asyncio.Context()
+        dealer = Dealer(self._ctx, self.codec, identity=f"client-{uuid.uuid4().hex}".encode())
+        dealer.connect(self.address)
+        self._remote = RemoteRef(dealer, on_message=self._on_message).start()
+        try:
+            welcome = await self._remote.ask(m.Hello(api_key=api_key, sdk_version=bios.__version__), timeout)
+        except asyncio.TimeoutError:
+            await self._remote.close()
+            raise exceptions.APIConnectionError(
+                f"no Bios coordinator answered at {self.address} within {timeout:.0f}s; is bios-coordinator running?"
+            ) from None
+        except RemoteCallError as exc:
+            await self._remote.close()
+            raise to_exception(exc.error) from None
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat(welcome.session_id))
+        return welcome
+
+    # ------------------------------------------------------------------------------------ running things
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the connection's loop and block for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit(self, op: Any, request_id: str) -> tuple[concurrent.futures.Future[Any], concurrent.futures.Future[Any]]:
+        """Send a request now; returns (accepted, result) futures."""
+        if self._closed:
+            raise exceptions.APIConnectionError("this ServiceClient is closed")
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        accepted = self.spawn(self._submit(op, request_id, result))
+        return accepted, result
+
+    async def _submit(self, op: Any, request_id: str, result: concurrent.futures.Future[Any]) -> m.Accepted:
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            _resolve(result, early)
+        else:
+            self._results[request_id] = result
+        try:
+            return await self._remote.ask(op)
+        except RemoteCallError as exc:
+            error = to_exception(exc.error)
+            self._results.pop(request_id, None)
+            if not result.done():
+                result.set_exception(error)
+            raise error from None
+        except BaseException as exc:
+            self._results.pop(request_id, None)
+            if not result.done():
+                result.set_exception(exc)
+            raise
+
+    async def ask(self, body: Any, timeout: float | None = None) -> Any:
+        """A query with a direct reply; runs on the connection's loop."""
+        try:
+            return await self._remote.ask(body, timeout)
+        except RemoteCallError as exc:
+            raise to_exception(exc.error) from None
+        except asyncio.TimeoutError:
+            raise exceptions.TimeoutError(f"no answer to {type(body).__name__} within {timeout}s") from None
+
+    def query(self, body: Any, timeout: float | None = 60.0) -> Any:
+        return self.run(self.ask(body, timeout))
+
+    async def query_async(self, body: Any, timeout: float | None = 60.0) -> Any:
+        return await asyncio.wrap_future(self.spawn(self.ask(body, timeout)))
+
+    # ------------------------------------------------------------------------------------ incoming
+
+    def _on_message(self, env: Envelope) -> None:
+        body = env.body
+        if not isinstance(body, m.RequestDone):
+            log.warning("ignored an unexpected %s from the coordinator", type(body).__name__)
+            return
+        future = self._results.pop(body.request_id, None)
+        if future is None:
+            self._early[body.request_id] = body
+        else:
+            _resolve(future, body)
+
+    async def _heartbeat(self, session_id: str) -> None:
+        missed = 0
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._remote.ask(m.SessionHeartbeat(session_id), timeout=HEARTBEAT_S)
+                missed = 0
+            except (asyncio.TimeoutError, RemoteCallError) as exc:
+                missed += 1
+                log.warning("heartbeat to %s failed (%d/%d): %s", self.address, missed, MISSED_HEARTBEATS, exc)
+                if missed >= MISSED_HEARTBEATS:
+                    self._fail_all(exceptions.APIConnectionError(
+                        f"lost the coordinator at {self.address}: {missed} heartbeats unanswered"))
+
+    def _fail_all(self, error: Exception) -> None:
+        for future in self._results.values():
+            if not future.done():
+                future.set_exception(error)
+        self._results.clear()
+        self._remote.fail_pending(error)
+
+    # ------------------------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.run(self._close(), timeout=5)
+        except Exception as exc:
+            log.debug("closing the session: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    async def _close(self) -> None:
+        self._heartbeat_task.cancel()
+        try:
+            await self._remote.ask(m.CloseSession(self.session_id), timeout=2)
+        except Exception as exc:
+            log.debug("session close not acknowledged: %s", exc)
+        self._fail_all(exceptions.APIConnectionError("the ServiceClient was closed"))
+        await self._remote.close()
+        self._ctx.term()
+
+
+def _resolve(future: concurrent.futures.Future[Any], done: m.RequestDone) -> None:
+    if future.done():
+        return
+    if done.error is not None:
+        future.set_exception(to_exception(done.error, ran=True))
+    else:
+        future.set_result(done.result)

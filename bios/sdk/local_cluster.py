@@ -1,0 +1,150 @@
+"""A coordinator and its workers as child processes on loopback: the embedded cluster.
+
+`ServiceClient()` with no address starts one (one worker, back-to-back cycles, a fresh state dir) and stops it
+on close or at exit. Children die with their parent even when it is killed (Linux parent-death signal), so a
+crashed user script leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from bios import exceptions
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent exits."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalCluster:
+    """`bios up` and the embedded mode: a coordinator plus `workers` worker processes on 127.0.0.1."""
+
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        cycle_s: float = 0.0,
+        state_dir: str | Path | None = None,
+        heartbeat_timeout_s: float = 5.0,
+        worker_threads: int | None = None,
+        listen: str = "tcp://127.0.0.1:0",
+        log_level: str = "INFO",
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self._owns_state_dir = state_dir is None
+        self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="bios-"))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.num_workers = workers
+        self.cycle_s = cycle_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.worker_threads = worker_threads
+        self.listen = listen
+        self.log_level = log_level
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> LocalCluster:
+        ready = self.state_dir / "coordinator.json"
+        ready.unlink(missing_ok=True)
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "-m", "bios.coordinator.main",
+                "--listen", self.listen,
+                "--state-dir", str(self.state_dir),
+                "--cycle-s", str(self.cycle_s),
+                "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                "--ready-file", str(ready),
+                "--log-level", self.log_level,
+            ],
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        while not ready.exists():
+            if self.coordinator.poll() is not None:
+                raise exceptions.APIConnectionError(f"the coordinator exited at start:\n{self.log_tail('coordinator')}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise exceptions.TimeoutError(f"the coordinator did not start within {self.start_timeout_s:.0f}s")
+            time.sleep(0.02)
+        self.address = json.loads(ready.read_text())["clients"]
+        for _ in range(self.num_workers):
+            self.add_worker()
+        return self
+
+    def add_worker(self) -> subprocess.Popen[bytes]:
+        args = ["-m", "bios.worker.main", "--coordinator", self.address, "--log-level", self.log_level]
+        if self.worker_threads:
+            args += ["--threads", str(self.worker_threads)]
+        worker = self._spawn(f"worker-{len(self.workers)}", args)
+        self.workers.append(worker)
+        return worker
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the coordinator (it tells its workers to exit), then make sure every child is gone."""
+        children = [p for p in [self.coordinator, *self.workers] if p is not None]
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in children:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in children:
+            try:
+                proc.wait(2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.coordinator = None
+        self.workers = []
+        if self._owns_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start() if self.coordinator is None else self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log_path = self.state_dir / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(
+                [sys.executable, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=_die_with_parent,
+            )
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.state_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,168 @@
+"""The worker process: registers with the coordinator, heartbeats, and runs cycles on a compute thread.
+
+The event loop only moves messages; all torch work happens on one compute thread (the `Trainer` actor hands
+cycles to it), so heartbeats keep flowing while a long cycle runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import zmq
+import zmq.asyncio
+
+from bios import messages as m
+from bios.actors.actor import Actor, Policy, spawn
+from bios.actors.remote import RemoteError, RemoteRef
+from bios.models import list_models
+from bios.transport.codec import Envelope
+from bios.transport.sockets import Dealer
+
+from .executor import CycleExecutor
+from .pool import ModelPool
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    """CUDA when present (one worker per GPU), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator: str
+    device: torch.device
+    worker_id: str = ""
+    token: str | None = None
+    discover_timeout_s: float = 60.0
+
+
+class Trainer(Actor):
+    """Owns the model pool; runs one cycle at a time on the compute thread and reports as items finish."""
+
+    def __init__(self, worker_id: str, pool: ModelPool, send: Any) -> None:
+        self.worker_id = worker_id
+        self.executor = CycleExecutor(pool)
+        self.send = send
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    async def receive(self, message: Any) -> None:
+        assert isinstance(message, m.RunCycle)
+        loop = asyncio.get_running_loop()
+
+        def report(done: m.ItemDone) -> None:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(done)))
+
+        try:
+            await loop.run_in_executor(self.thread, self.executor.run, message, report)
+        finally:
+            await asyncio.sleep(0)  # let the reports queued by the compute thread go out first
+            await self.send(m.CycleDone(message.cycle_id, self.worker_id))
+
+    async def stopped(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+
+class WorkerDaemon:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.ctx = zmq.asyncio.Context()
+        self.codec = m.make_codec()
+        self.pool = ModelPool(config.device)
+        self.stop_requested = asyncio.Event()
+        self.remote: RemoteRef | None = None
+
+    async def run(self) -> None:
+        address = await self._worker_address()
+        dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode())
+        dealer.connect(address)
+        self.remote = RemoteRef(dealer, on_message=self._on_message).start()
+        self.trainer = spawn(lambda: Trainer(self.worker_id, self.pool, self._send), name="trainer", policy=Policy.RESUME)
+        accepted = await self.remote.ask(
+            m.RegisterWorker(
+                worker_id=self.worker_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                device=str(self.config.device),
+                memory_bytes=device_memory(self.config.device),
+                token=self.config.token,
+                models=[entry.name for entry in list_models()],
+            ),
+            timeout=self.config.discover_timeout_s,
+        )
+        log.info("worker %s registered at %s on %s", self.worker_id, address, self.config.device)
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
+        await self.stop_requested.wait()
+        heartbeat.cancel()
+        await self.trainer.stop()
+        await self.remote.close()
+        self.ctx.term()
+
+    async def leave(self, reason: str) -> None:
+        """Finish the cycle in progress, then say goodbye: a graceful leave aborts no cycle."""
+        await self.trainer.stop()
+        if self.remote is not None:
+            await self.remote.tell(m.Shutdown(reason))
+        self.stop_requested.set()
+
+    async def _worker_address(self) -> str:
+        """Ask the coordinator's client address where workers connect (same host, its worker port)."""
+        dealer = Dealer(self.ctx, self.codec)
+        dealer.connect(self.config.coordinator)
+        probe = RemoteRef(dealer).start()
+        try:
+            endpoint = await probe.ask(m.DiscoverWorkerEndpoint(), timeout=self.config.discover_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"no coordinator answered at {self.config.coordinator}") from None
+        finally:
+            await probe.close()
+        host = self.config.coordinator.rsplit(":", 1)[0]
+        return f"{host}:{endpoint.port}"
+
+    async def _heartbeat(self, interval: float) -> None:
+        assert self.remote is not None
+        while True:
+            await self.remote.tell(m.WorkerHeartbeat(self.worker_id))
+            await asyncio.sleep(interval)
+
+    async def _send(self, body: Any) -> None:
+        assert self.remote is not None
+        await self.remote.tell(body)
+
+    def _on_message(self, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, m.RunCycle):
+            if self.trainer.running:
+                self.trainer.tell(body)
+            else:
+                log.warning("leaving: cycle %d not started here", body.cycle_id)
+        elif isinstance(body, m.Ping):
+            asyncio.ensure_future(self._reply(env, m.Pong(body.payload)))
+        elif isinstance(body, m.Shutdown):
+            log.info("coordinator asked this worker to exit: %s", body.reason)
+            self.stop_requested.set()
+        elif isinstance(body, RemoteError):
+            log.warning("coordinator reported: %s: %s", body.type, body.message)
+        else:
+            log.warning("ignored unexpected %s from the coordinator", type(body).__name__)
+
+    async def _reply(self, env: Envelope, body: Any) -> None:
+        assert self.remote is not None
+        await self.remote.reply(env, body)

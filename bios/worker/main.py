@@ -1,0 +1,53 @@
+"""`bios-worker`: join a coordinator and run its cycles until told to stop (SIGTERM = leave gracefully)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from .daemon import WorkerConfig, WorkerDaemon, default_device
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bios-worker", description="Run a Bios worker (one per GPU, or one per CPU host).")
+    p.add_argument("--coordinator", default=os.environ.get("BIOS_COORDINATOR", "tcp://127.0.0.1:7600"),
+                   help="the coordinator's client address")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--worker-id", default="", help="stable id for this worker (default: host-pid-random)")
+    p.add_argument("--token", default=os.environ.get("BIOS_WORKER_TOKEN"), help="cluster worker token")
+    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device) if args.device else default_device()
+    daemon = WorkerDaemon(WorkerConfig(coordinator=args.coordinator, device=device,
+                                       worker_id=args.worker_id, token=args.token))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.leave("SIGTERM")))
+    await daemon.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
