@@ -126,9 +126,11 @@ class TensorData:
         return self._array
 
     def to_torch(self) -> Any:
+        """A tensor sharing memory when it may; arrays received read-only off the wire are copied first."""
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(self._array))
+        array = np.ascontiguousarray(self._array)
+        return torch.from_numpy(array if array.flags.writeable else array.copy())
 
     def tolist(self) -> list[Any]:
         return self._array.tolist()

@@ -1,0 +1,53 @@
+"""Shared fixtures: one embedded cluster per test session (starting workers costs seconds), tiny batches."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Every process the tests start (coordinators, workers) writes built-in models into a private cache.
+os.environ.setdefault("BIOS_CACHE_DIR", tempfile.mkdtemp(prefix="bios-test-cache-"))
+os.environ.setdefault("BIOS_LOG_LEVEL", "INFO")
+
+import bios  # noqa: E402
+from bios import types  # noqa: E402
+
+BASE = "bios/tiny-llama"
+
+
+def text_datum(text: str, weight: float = 1.0) -> types.Datum:
+    """Next-token prediction over the bytes of `text` (the tiny models' tokenizer is byte-level)."""
+    tokens = list(text.encode())
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [weight] * (len(tokens) - 1)},
+    )
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    with bios.LocalCluster(cycle_s=0.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def service(cluster):
+    client = bios.ServiceClient(address=cluster.address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def ticking_cluster():
+    """A cluster whose clock ticks once a second, as a daemon's would (every 10 s by default)."""
+    with bios.LocalCluster(cycle_s=1.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def ticking_service(ticking_cluster):
+    client = bios.ServiceClient(address=ticking_cluster.address)
+    yield client
+    client.close()
