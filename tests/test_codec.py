@@ -1,0 +1,637 @@
+"""The wire codec: every message round-trips, tensors travel without copies, and hostile input only ever
+raises `DecodeError` (with the sender's id when it can be read)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types as pytypes
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from bios import messages as m
+from bios import types as t
+from bios.actors.remote import RemoteError
+from bios.transport.codec import (
+    INLINE_TENSOR_MAX,
+    WIRE_VERSION,
+    Codec,
+    DecodeError,
+    Envelope,
+    Limits,
+    TransportError,
+)
+
+CODEC = m.make_codec()
+
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
+
+
+def _dataclasses_of(module: pytypes.ModuleType) -> list[type]:
+    return [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__
+    ]
+
+
+WIRE_TYPES: list[type] = [*_dataclasses_of(t), *_dataclasses_of(m), RemoteError, TransportError]
+
+
+def _round_trip(body: Any, codec: Codec = CODEC, *, env_id: int = 7, reply_to: int | None = None) -> Envelope:
+    frames = codec.encode(Envelope(env_id, body, reply_to))
+    return codec.decode([bytes(f) for f in frames])  # bytes: what a receiver holds, sharing nothing with the sender
+
+
+def _open_header(frame0: Any) -> dict[str, Any]:
+    """Frame 0 as a plain map (tensor descriptors stay `ExtType`), to tamper with before re-packing."""
+    return msgpack.unpackb(bytes(frame0), raw=False)
+
+
+def _pack(header: Any) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _header(kind: str, body: dict[str, Any], *, env_id: int = 7) -> dict[str, Any]:
+    return {"v": WIRE_VERSION, "id": env_id, "re": None, "kind": kind, "body": body}
+
+
+def _tensor(dtype: Any, shape: Any, ref: Any, code: int = 1) -> msgpack.ExtType:
+    return msgpack.ExtType(code, msgpack.packb([dtype, shape, ref], use_bin_type=True))
+
+
+def _decode_error(frames: list[Any], codec: Codec = CODEC) -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        codec.decode(frames)
+    return info.value
+
+
+# ------------------------------------------------------------------------------- values of every wire type
+
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_FLOAT = st.floats(allow_nan=False)
+_TEXT = st.text(max_size=6)
+_KEY = _TEXT.filter(lambda k: k != "__t")  # "__t" marks a typed map on the wire; see the report on plain dicts
+
+
+def _tensor_data() -> st.SearchStrategy[t.TensorData]:
+    shapes = hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=3)
+    ints = hnp.arrays(np.int64, shapes, elements=_INT64)
+    floats = hnp.arrays(np.float32, shapes, elements=st.floats(width=32, allow_nan=False))
+    return st.one_of(ints.map(lambda a: t.TensorData(a, "int64")), floats.map(lambda a: t.TensorData(a, "float32")))
+
+
+def _any_value() -> st.SearchStrategy[Any]:
+    """What `Any` fields (results, work items) carry: plain values and nested registered types."""
+    return st.one_of(
+        st.none(),
+        _INT64,
+        _TEXT,
+        st.lists(_INT64, max_size=3),
+        st.deferred(lambda: value_of(t.ForwardBackwardOutput)),
+        st.deferred(lambda: value_of(t.OptimStepResponse)),
+        st.deferred(lambda: value_of(m.Ping)),
+    )
+
+
+def value_of(hint: Any) -> st.SearchStrategy[Any]:
+    """Values of a field type, so a newly added message type is covered without touching this file."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return _any_value()
+    if hint is type(None):
+        return st.none()
+    if hint is bool:
+        return st.booleans()
+    if hint is int:
+        return _INT64
+    if hint is float:
+        return _FLOAT
+    if hint is str:
+        return _TEXT
+    if hint is t.TensorData:
+        return _tensor_data()
+    if origin is typing.Literal:
+        return st.sampled_from(args)
+    if origin in (typing.Union, pytypes.UnionType):
+        return st.one_of(*(value_of(a) for a in args))
+    if origin in (list, Sequence):
+        return st.lists(value_of(args[0]), max_size=2)
+    if origin in (dict, Mapping):
+        return st.dictionaries(_KEY, value_of(args[1]), max_size=2)
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        fields = {f.name: value_of(hints[f.name]) for f in dataclasses.fields(hint) if f.init}
+        return st.builds(hint, **fields)
+    raise TypeError(f"no test values for {hint!r}: teach value_of() about it")
+
+
+def test_make_codec_knows_every_message_and_public_type() -> None:
+    assert len(WIRE_TYPES) > 40
+    unknown = [cls.__name__ for cls in WIRE_TYPES if not CODEC.knows(cls.__name__)]
+    assert unknown == []
+    assert CODEC.knows("TensorData")
+
+
+@pytest.mark.parametrize("cls", WIRE_TYPES, ids=lambda cls: cls.__name__)
+@settings(FUZZ, max_examples=12)
+@given(data=st.data())
+def test_every_wire_type_round_trips(cls: type, data: st.DataObject) -> None:
+    body = data.draw(value_of(cls))
+    env_id = data.draw(st.integers(0, 2**63 - 1))
+    reply_to = data.draw(st.none() | st.integers(0, 2**63 - 1))
+    decoded = _round_trip(body, env_id=env_id, reply_to=reply_to)
+    assert type(decoded.body) is cls
+    assert decoded.body == body
+    assert (decoded.id, decoded.reply_to) == (env_id, reply_to)
+
+
+def test_datum_with_tensor_data_round_trips() -> None:
+    datum = t.Datum(
+        model_input=t.ModelInput([t.EncodedTextChunk([1, 2]), t.EncodedTextChunk([3])]),
+        loss_fn_inputs={
+            "target_tokens": t.TensorData([2, 3, 4], "int64"),
+            "weights": t.TensorData(np.linspace(0, 1, 3 * 30_000, dtype=np.float32), "float32"),  # framed
+            "advantages": t.TensorData([[0.5, -1.0]], "float32"),
+        },
+    )
+    body = m.ForwardBackward("s:train:0", 4, [datum, datum], "cross_entropy", {"clip": 0.2})
+    decoded = _round_trip(body).body
+    assert decoded == body
+    inputs = decoded.data[0].loss_fn_inputs
+    assert isinstance(inputs["target_tokens"], t.TensorData)
+    assert inputs["target_tokens"].to_numpy().dtype == np.int64
+    assert inputs["weights"].to_numpy().dtype == np.float32
+    assert inputs["advantages"].shape == [1, 2]
+    assert decoded.data[1].model_input.to_ints() == [1, 2, 3]
+
+
+def test_forward_backward_output_inside_a_result_push_round_trips() -> None:
+    output = t.ForwardBackwardOutput(
+        "cross_entropy",
+        [{"logprobs": t.TensorData([-0.25, -1.5], "float32")}, {"logprobs": t.TensorData([], "float32")}],
+        {"loss:sum": 1.75, "grad_norm:max": 0.5},
+    )
+    decoded = _round_trip(m.RequestDone("r1", result=output, cycle_id=3)).body
+    assert decoded.result == output
+    assert decoded.result.loss == 1.75
+    failed = _round_trip(m.RequestDone("r2", error=RemoteError("BadRequestError", "bad", field="seq_id"))).body
+    assert failed.error == RemoteError("BadRequestError", "bad", field="seq_id")
+
+
+def test_tensor_data_adapter_rejects_other_dtypes() -> None:
+    header = _header("RequestDone", {"request_id": "r", "result": {"__t": "TensorData", "v": _tensor("bool", [1], b"\x01")}})
+    assert "TensorData must carry" in str(_decode_error([_pack(header)]))
+
+
+# ------------------------------------------------------------------------------------------- tensors
+
+_NUMPY_DTYPES = ["float32", "float64", "float16", "int64", "int32", "int8", "uint8", "bool"]
+_TORCH_DTYPES = [torch.float32, torch.int64, torch.bfloat16, torch.bool, torch.float16, torch.int32]
+
+
+def _numpy_case(dtype: str, layout: str) -> np.ndarray:
+    big = 70_000  # elements; >= 64 KiB for every dtype
+    base = {
+        "scalar": np.arange(1) + 5,
+        "empty": np.zeros((0, 3)),
+        "small": np.arange(12).reshape(3, 4),
+        "large": np.arange(big),
+        "transposed": np.arange(12).reshape(3, 4),
+        "large-transposed": np.arange(big).reshape(700, 100),
+    }[layout]
+    array = (base % 2 == 1) if dtype == "bool" else base.astype(dtype)
+    if layout == "scalar":
+        array = array.reshape(())
+    if layout.endswith("transposed"):
+        array = array.T
+    return array
+
+
+_LAYOUTS = ["scalar", "empty", "small", "large", "transposed", "large-transposed"]
+
+
+def _received_frame_address(frame: bytes) -> tuple[int, int]:
+    view = np.frombuffer(frame, np.uint8)
+    return view.ctypes.data, view.ctypes.data + view.nbytes
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+@pytest.mark.parametrize("dtype", _NUMPY_DTYPES)
+def test_numpy_arrays_round_trip(dtype: str, layout: str) -> None:
+    array = _numpy_case(dtype, layout)
+    frames = CODEC.encode(Envelope(1, m.RequestDone("r", result={"a": array, "b": [array]})))
+    framed = array.nbytes >= INLINE_TENSOR_MAX
+    assert len(frames) == (3 if framed else 1)
+    if framed and array.flags.c_contiguous:
+        assert np.shares_memory(np.frombuffer(frames[1], np.uint8), array)  # the sender does not copy either
+    received = [bytes(f) for f in frames]
+    result = CODEC.decode(received).body.result
+    for out in (result["a"], result["b"][0]):
+        assert type(out) is np.ndarray
+        assert out.dtype == array.dtype and out.shape == array.shape
+        np.testing.assert_array_equal(out, array)
+    if framed:
+        assert np.shares_memory(result["a"], np.frombuffer(received[1], np.uint8))
+        assert np.shares_memory(result["b"][0], np.frombuffer(received[2], np.uint8))
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+@pytest.mark.parametrize("dtype", _TORCH_DTYPES, ids=str)
+def test_torch_tensors_round_trip(dtype: torch.dtype, layout: str) -> None:
+    tensor = torch.from_numpy(_numpy_case("int64", layout) % 7 - 3).to(dtype)
+    frames = CODEC.encode(Envelope(1, m.ItemDone(1, "r", result=tensor)))
+    nbytes = tensor.numel() * tensor.element_size()
+    framed = nbytes >= INLINE_TENSOR_MAX
+    assert len(frames) == (2 if framed else 1)
+    received = [bytes(f) for f in frames]
+    out = CODEC.decode(received).body.result
+    assert isinstance(out, torch.Tensor)
+    assert out.dtype == dtype and out.shape == tensor.shape
+    assert torch.equal(out, tensor)
+    if framed:
+        start, end = _received_frame_address(received[1])
+        assert out.data_ptr() == start and start + nbytes == end
+
+
+def test_torch_parameter_and_numpy_scalar_are_encoded() -> None:
+    param = torch.nn.Parameter(torch.ones(2, 2))
+    out = _round_trip(m.ItemDone(1, "r", result=[param, np.float32(1.5), np.int64(3)])).body.result
+    assert torch.equal(out[0], torch.ones(2, 2)) and out[1:] == [1.5, 3]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.zeros(2, np.complex64), np.zeros(2, ">f4"), np.array(["a"]), object(), {1, 2}.__iter__()],
+    ids=["complex", "big-endian", "unicode", "object", "iterator"],
+)
+def test_encoder_refuses_values_it_cannot_send(value: Any) -> None:
+    with pytest.raises(TypeError):
+        CODEC.encode(Envelope(1, m.ItemDone(1, "r", result=value)))
+
+
+def test_encoder_refuses_unregistered_message_types() -> None:
+    @dataclasses.dataclass
+    class Stranger:
+        x: int = 0
+
+    with pytest.raises(TypeError, match="Stranger"):
+        CODEC.encode(Envelope(1, Stranger()))
+
+
+# ----------------------------------------------------------------------------------- rejected headers
+
+
+def test_unknown_kind_is_rejected_with_the_envelope_id() -> None:
+    error = _decode_error([_pack(_header("LaunchMissiles", {}, env_id=41))])
+    assert "LaunchMissiles" in str(error) and error.envelope_id == 41
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "field"),
+    [
+        ("ForwardBackward", {"model_id": "m", "seq_id": "3", "data": [], "loss_fn": "ce"}, "ForwardBackward.seq_id"),
+        ("ForwardBackward", {"model_id": "m", "seq_id": 3, "data": {}, "loss_fn": "ce"}, "ForwardBackward.data"),
+        (
+            "ForwardBackward",
+            {"model_id": "m", "seq_id": 3, "data": [], "loss_fn": "ce", "loss_fn_config": [1.0]},
+            "ForwardBackward.loss_fn_config",
+        ),
+        (
+            "ForwardBackward",
+            {"model_id": "m", "seq_id": 3, "data": [], "loss_fn": "ce", "loss_fn_config": {"a": "x"}},
+            "ForwardBackward.loss_fn_config",
+        ),
+        ("ForwardBackward", {"model_id": 5, "seq_id": 3, "data": [], "loss_fn": "ce"}, "ForwardBackward.model_id"),
+        ("ForwardBackward", {"model_id": "m", "seq_id": True, "data": [], "loss_fn": "ce"}, "ForwardBackward.seq_id"),
+        ("OptimStep", {"model_id": "m", "seq_id": 1, "adam_params": {"learning_rate": 1.0}}, "OptimStep.adam_params"),
+        ("Ping", {"payload": 1.5}, "Ping.payload"),
+        ("ForwardBackward", {"model_id": "m", "seq_id": 3, "data": [{"__t": "Datum", "model_input": []}], "loss_fn": "ce"}, "Datum.model_input"),
+        (
+            "CreateModel",
+            {"session_id": "s", "model_seq_id": 0, "base_model": "b", "lora": {"__t": "LoraConfig", "rank": 2.0}},
+            "LoraConfig.rank",
+        ),
+        ("SampledSequence", {"stop_reason": "whenever", "tokens": []}, "SampledSequence.stop_reason"),
+        ("RegisterWorker", {"worker_id": "w", "host": "h", "pid": 1, "device": "cpu", "memory_bytes": 1, "models": [1]}, "RegisterWorker.models"),
+    ],
+)
+def test_wrong_field_type_names_the_field(kind: str, body: dict[str, Any], field: str) -> None:
+    error = _decode_error([_pack(_header(kind, body, env_id=99))])
+    assert field in str(error)
+    assert error.envelope_id == 99  # nested failures too: the error reply must reach the right asker
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"payload": 1, "bogus": 2}, "bogus"),
+        ({"payload": 1, b"raw": 2, "other": 3}, "raw"),  # mixed key types must not crash the error message
+        ({"payload": {"__t": "AdamParams", "learning_rate": 1.0, "momentum": 0.9}}, "momentum"),
+    ],
+)
+def test_extra_field_is_rejected(body: dict[Any, Any], name: str) -> None:
+    error = _decode_error([_pack(_header("Ping", body, env_id=5))])
+    assert name in str(error) and error.envelope_id == 5
+
+
+def test_missing_field_is_rejected() -> None:
+    error = _decode_error([_pack(_header("ForwardBackward", {"model_id": "m"}, env_id=6))])
+    assert "ForwardBackward" in str(error) and error.envelope_id == 6
+
+
+@pytest.mark.parametrize("version", [WIRE_VERSION + 1, 0, str(WIRE_VERSION), float(WIRE_VERSION), True, None])
+def test_wrong_wire_version_is_rejected(version: Any) -> None:
+    header = _header("Ping", {"payload": 1}, env_id=12)
+    header["v"] = version
+    error = _decode_error([_pack(header)])
+    assert "version" in str(error) and error.envelope_id == 12
+
+
+@pytest.mark.parametrize(
+    "frame0",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        _pack([1, 2, 3]),
+        _pack({"v": WIRE_VERSION, "kind": "Ping", "body": {}}),
+        _pack({"v": WIRE_VERSION, "id": "7", "kind": "Ping", "body": {}}),
+        _pack({"v": WIRE_VERSION, "id": True, "kind": "Ping", "body": {}}),
+        _pack({1: 2}),  # non-string map key
+        b"\xc6\xff\xff\xff\xff\x00",  # bin32 declaring 4 GiB
+        b"\xdd\xff\xff\xff\xff",  # array32 declaring 4 billion items
+        b"\x91" * 100_000,  # nesting deeper than any stack
+    ],
+    ids=["empty", "reserved", "array", "no-id", "str-id", "bool-id", "int-key", "huge-bin", "huge-array", "deep"],
+)
+def test_unreadable_header_is_rejected_without_an_id(frame0: bytes) -> None:
+    assert _decode_error([frame0]).envelope_id is None
+
+
+def test_truncated_header_is_rejected() -> None:
+    frame0 = bytes(CODEC.encode(Envelope(3, m.Welcome("session", "1.0", 10.0)))[0])
+    for cut in range(len(frame0)):
+        _decode_error([frame0[:cut]])
+
+
+def test_bad_reply_id_and_non_map_body_are_rejected() -> None:
+    header = _header("Ping", {"payload": 1}, env_id=8)
+    header["re"] = "x"
+    assert _decode_error([_pack(header)]).envelope_id == 8
+    assert "not a map" in str(_decode_error([_pack(_header("Ping", [1], env_id=8))]))  # type: ignore[arg-type]
+
+
+def test_unknown_nested_type_tag_is_rejected() -> None:
+    header = _header("RequestDone", {"request_id": "r", "result": {"__t": "os.system", "v": "rm"}}, env_id=4)
+    error = _decode_error([_pack(header)])
+    assert "os.system" in str(error) and error.envelope_id == 4
+
+
+# ----------------------------------------------------------------------------------- rejected tensors
+
+
+def _result_with(*tensors: msgpack.ExtType, env_id: int = 21) -> bytes:
+    return _pack(_header("RequestDone", {"request_id": "r", "result": list(tensors)}, env_id=env_id))
+
+
+@pytest.mark.parametrize(
+    ("ext", "frames", "needle"),
+    [
+        (_tensor("float32", [3], b"\x00" * 8), [], "needs 12 bytes"),
+        (_tensor("float32", [2, 2], 1), [b"\x00" * 12], "needs 16 bytes"),
+        (_tensor("int64", [2**20, 2**20], 1), [b"\x00" * 8], "needs"),
+        (_tensor("complex64", [1], b"\x00" * 8), [], "complex64"),
+        (_tensor("object", [1], b"\x00" * 8), [], "object"),
+        (_tensor(">f4", [1], b"\x00" * 4), [], ">f4"),
+        (_tensor(7, [1], b"\x00"), [], "dtype"),
+        (_tensor("float32", [-1], b""), [], "invalid dimensions"),
+        (_tensor("float32", [True], b"\x00" * 4), [], "invalid dimensions"),
+        (_tensor("float32", [2**40], b""), [], "invalid dimensions"),
+        (_tensor("float32", [1] * 9, b"\x00" * 4), [], "descriptor"),
+        (_tensor("float32", "4", b"\x00" * 16), [], "shape"),
+        (_tensor("float32", [1], 0), [], "frame 0"),
+        (_tensor("float32", [1], 2), [b"\x00" * 4], "frame 2"),
+        (_tensor("float32", [1], -1), [b"\x00" * 4], "frame -1"),
+        (_tensor("float32", [1], 1.0), [b"\x00" * 4], "ref"),
+        (msgpack.ExtType(1, _pack(["float32", [1]])), [], "descriptor"),
+        (msgpack.ExtType(1, b"\xc1"), [], "descriptor"),
+        (msgpack.ExtType(9, _pack(["float32", [1], b"\x00" * 4])), [], "ext type 9"),
+    ],
+    ids=[
+        "inline-short", "framed-short", "huge-shape", "complex", "object", "big-endian", "int-dtype", "negative-dim",
+        "bool-dim", "huge-dim", "too-many-dims", "str-shape", "ref-header", "ref-missing", "ref-negative",
+        "ref-float", "two-items", "garbage", "unknown-ext",
+    ],
+)
+def test_bad_tensor_is_rejected(ext: msgpack.ExtType, frames: list[bytes], needle: str) -> None:
+    error = _decode_error([_result_with(ext), *frames])
+    assert needle in str(error)
+    assert error.envelope_id == 21
+
+
+def test_frame_referenced_twice_is_rejected() -> None:
+    frame = b"\x00" * 8
+    error = _decode_error([_result_with(_tensor("float32", [2], 1), _tensor("int32", [2], 1)), frame])
+    assert "referenced twice" in str(error)
+
+
+def test_unreferenced_extra_frame_is_rejected() -> None:
+    frames = [bytes(f) for f in CODEC.encode(Envelope(2, m.Ping(1)))]
+    error = _decode_error([*frames, b"smuggled"])
+    assert "not referenced" in str(error) and error.envelope_id == 2
+
+
+def test_limits_on_frames_and_sizes() -> None:
+    codec = m.make_codec(Limits(max_frames=3, max_message_bytes=200_000, max_header_bytes=1024, max_container_len=50))
+    arrays = [np.zeros(INLINE_TENSOR_MAX // 4, np.float32) for _ in range(3)]
+    frames = [bytes(f) for f in codec.encode(Envelope(1, m.ItemDone(1, "r", result=arrays)))]
+    assert "frames exceed" in str(_decode_error(frames, codec))
+    frames = [bytes(f) for f in codec.encode(Envelope(1, m.ItemDone(1, "r", result=arrays[:2])))]
+    assert codec.decode(frames).body.result[1].shape == arrays[1].shape  # within every limit
+    big = [np.zeros(60_000, np.float32)]  # 240 KB in one frame
+    frames = [bytes(f) for f in codec.encode(Envelope(1, m.ItemDone(1, "r", result=big)))]
+    assert "exceeds the limit" in str(_decode_error(frames, codec))
+    long_name = [bytes(f) for f in codec.encode(Envelope(1, m.Shutdown("x" * 2000)))]
+    assert "header of" in str(_decode_error(long_name, codec))
+    many = [bytes(f) for f in codec.encode(Envelope(1, m.ItemDone(1, "r", result=list(range(60)))))]
+    assert _decode_error(many, codec).envelope_id is None  # the container limit trips before the id is trusted
+    assert "empty" in str(_decode_error([], codec))
+
+
+# ---------------------------------------------------------------------------------------------- fuzzing
+#
+# Example counts (hypothesis examples, all through `Codec.decode`, which holds both the envelope decoder and
+# the tensor-frame decoder): raw bytes 3,000; random msgpack in place of field values 2,500; mutated valid
+# envelopes 3,000; random tensor descriptors and frames 2,500. Envelope decoding: 11,000 examples; tensor
+# frames (mutated envelopes carrying tensors + descriptor fuzz): 5,500 examples, each decoding 2 variants.
+
+
+def _assert_decodes_or_rejects(frames: list[Any]) -> None:
+    """The fuzz property: hostile input raises `DecodeError` or yields an envelope that is really valid."""
+    try:
+        env = CODEC.decode(frames)
+    except DecodeError:
+        return
+    assert isinstance(env, Envelope)
+    CODEC.decode(CODEC.encode(env))  # everything decoded is a registered, well-typed, re-sendable value
+
+
+def _corpus() -> list[list[bytes]]:
+    datum = t.Datum(
+        t.ModelInput.from_ints([1, 2, 3]),
+        {"target_tokens": t.TensorData([2, 3, 4], "int64"), "weights": t.TensorData([1.0, 1.0, 0.0], "float32")},
+    )
+    bodies = [
+        m.Ping(3),
+        m.Hello("key", "0.1"),
+        m.ForwardBackward("s:train:0", 1, [datum, datum], "cross_entropy", {"a": 1.0}),
+        m.OptimStep("s:train:0", 2, t.AdamParams(grad_clip_norm=1.0)),
+        m.CreateModel("s", 0, "bios/tiny-llama", t.LoraConfig(rank=4, seed=1)),
+        m.RequestDone("r", result=t.ForwardBackwardOutput("ce", [{"logprobs": t.TensorData([-1.0], "float32")}], {"loss:sum": 1.0})),
+        m.RequestDone("r", error=RemoteError("BadRequestError", "no", field="seq_id")),
+        m.ItemDone(1, "r", result=[np.arange(6, dtype=np.int32), torch.ones(3, dtype=torch.bfloat16), np.zeros(INLINE_TENSOR_MAX // 4, np.float32)]),
+        m.ClusterStatus(1, 1.0, 0, [m.WorkerStatus("w", "h", 1, "cpu", "idle", 0.5)], 0, 0, 0.0, 1.0),
+        t.SampleResponse([t.SampledSequence("stop", [1, 2], [-0.5, -0.25])], [None, -1.0]),
+        t.TrainingRunsResponse([t.TrainingRun("r", "b", "o", True, 4, 1.0, t.Checkpoint("c", "training", 1.0, "bios://x"))], t.Cursor(0, 1, 1)),
+        m.RegisterWorker("w", "h", 1, "cpu", 10, models=["a", "b"]),
+        m.RunCycle(1, [m.WorkItem("r", m.OptimStep("m", 1, t.AdamParams()))]),
+    ]
+    return [[bytes(f) for f in CODEC.encode(Envelope(i + 1, body, i or None))] for i, body in enumerate(bodies)]
+
+
+CORPUS = _corpus()
+FIELD_NAMES = sorted({f.name for cls in WIRE_TYPES for f in dataclasses.fields(cls)} | {"__t", "v", "id", "re", "kind", "body"})
+TYPE_NAMES = sorted(cls.__name__ for cls in WIRE_TYPES) + ["TensorData"]
+
+_DTYPE_NAMES = st.sampled_from(["float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "bfloat16", "complex64", "object", "<f4", "V8", "S3", "O"])
+_DIMS = st.one_of(st.integers(0, 4), st.sampled_from([-1, 2**31, 2**40, 2**62, 2**64 - 1, True]))
+_MSGPACK_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(FIELD_NAMES + TYPE_NAMES),
+    st.binary(max_size=12),
+    st.builds(msgpack.ExtType, st.integers(-128, 127), st.binary(max_size=12)),
+)
+MSGPACK_VALUE = st.recursive(
+    _MSGPACK_LEAF,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(FIELD_NAMES + TYPE_NAMES) | st.text(max_size=4) | st.binary(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+TENSOR_SPEC = st.builds(
+    lambda code, dtype, shape, ref: msgpack.ExtType(code, msgpack.packb([dtype, shape, ref], use_bin_type=True)),
+    st.sampled_from([1, 2]) | st.integers(-128, 127),
+    _DTYPE_NAMES | MSGPACK_VALUE,
+    st.lists(_DIMS, max_size=4) | MSGPACK_VALUE,
+    st.integers(-1, 4) | st.binary(max_size=24) | MSGPACK_VALUE,
+)
+
+
+@settings(FUZZ, max_examples=3000)
+@given(frame0=st.binary(max_size=160), extra=st.lists(st.binary(max_size=24), max_size=3), prefix=st.integers(0, len(CORPUS) - 1))
+def test_fuzz_random_bytes_raise_only_decode_error(frame0: bytes, extra: list[bytes], prefix: int) -> None:
+    _assert_decodes_or_rejects([frame0, *extra])
+    valid = CORPUS[prefix][0]
+    _assert_decodes_or_rejects([valid[: len(frame0) % (len(valid) + 1)] + frame0, *extra])  # garbage after a real start
+
+
+@settings(FUZZ, max_examples=2500)
+@given(
+    kind=st.sampled_from(TYPE_NAMES) | st.text(max_size=6),
+    body=st.dictionaries(st.sampled_from(FIELD_NAMES), MSGPACK_VALUE | TENSOR_SPEC, max_size=5),
+    extra=st.lists(st.binary(max_size=16), max_size=2),
+)
+def test_fuzz_random_field_values_raise_only_decode_error(kind: str, body: dict[str, Any], extra: list[bytes]) -> None:
+    _assert_decodes_or_rejects([_pack(_header(kind, body)), *extra])
+    nested = _header("RequestDone", {"request_id": "r", "result": {**body, "__t": kind}})
+    _assert_decodes_or_rejects([_pack(nested), *extra])
+
+
+def _slots(node: Any, out: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Every (container, key) in a decoded header, tensor descriptors opened up as lists."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in list(items):
+        if isinstance(value, msgpack.ExtType):
+            try:
+                value = node[key] = _OpenExt(value.code, msgpack.unpackb(value.data, raw=False))
+            except Exception:
+                pass
+        out.append((node, key))
+        _slots(value.spec if isinstance(value, _OpenExt) else value, out)
+        if isinstance(value, _OpenExt):
+            out.append((value, "spec"))
+    return out
+
+
+@dataclasses.dataclass
+class _OpenExt:
+    code: int
+    spec: Any
+
+
+def _repack(header: Any) -> bytes:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, _OpenExt):
+            return msgpack.ExtType(obj.code, msgpack.packb(obj.spec, use_bin_type=True, default=default))
+        raise TypeError(type(obj))
+
+    return msgpack.packb(header, use_bin_type=True, default=default)
+
+
+def _set(node: Any, key: Any, value: Any) -> None:
+    if isinstance(node, _OpenExt):
+        setattr(node, key, value)
+    else:
+        node[key] = value
+
+
+@settings(FUZZ, max_examples=3000)
+@given(data=st.data(), which=st.integers(0, len(CORPUS) - 1))
+def test_fuzz_mutated_envelopes_raise_only_decode_error(data: st.DataObject, which: int) -> None:
+    frames = list(CORPUS[which])
+    header = _open_header(frames[0])
+    for _ in range(data.draw(st.integers(1, 3))):
+        slots = _slots(header, [])
+        node, key = slots[data.draw(st.integers(0, len(slots) - 1))]
+        action = data.draw(st.sampled_from(["replace", "replace", "tensor", "delete", "add", "frames"]))
+        if action == "replace":
+            _set(node, key, data.draw(MSGPACK_VALUE))
+        elif action == "tensor":
+            _set(node, key, data.draw(TENSOR_SPEC))
+        elif action == "delete" and isinstance(node, dict):
+            del node[key]
+        elif action == "add" and isinstance(node, dict):
+            node[data.draw(st.sampled_from(FIELD_NAMES))] = data.draw(MSGPACK_VALUE)
+        elif action == "frames" and len(frames) > 1:
+            k = data.draw(st.integers(1, len(frames) - 1))
+            frames[k] = data.draw(st.sampled_from([frames[k][:-1], frames[k] + b"\x00", b"", frames[k][:4]]))
+        elif action == "frames":
+            frames.append(data.draw(st.binary(max_size=8)))
+    frames[0] = _repack(header)
+    _assert_decodes_or_rejects(frames)
+    _assert_decodes_or_rejects([*frames, frames[-1]])
+
+
+@settings(FUZZ, max_examples=2500)
+@given(tensors=st.lists(TENSOR_SPEC, min_size=1, max_size=3), frames=st.lists(st.binary(max_size=48), max_size=3))
+def test_fuzz_tensor_descriptors_raise_only_decode_error(tensors: list[msgpack.ExtType], frames: list[bytes]) -> None:
+    _assert_decodes_or_rejects([_result_with(*tensors), *frames])
+    as_tensor_data = _header("RequestDone", {"request_id": "r", "result": [{"__t": "TensorData", "v": x} for x in tensors]})
+    _assert_decodes_or_rejects([_pack(as_tensor_data), *frames])
