@@ -15,7 +15,9 @@ from bios.worker.lora import active_adapters, attach_lora
 
 VOCAB = 300
 LLAMA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-ADAM = AdamParams(learning_rate=1e-2, beta1=0.85, beta2=0.98, eps=1e-8, weight_decay=0.05, grad_clip_norm=5.0)
+# eps stays at its default: an eps near the gradients' rounding noise (~1e-6 here) makes Adam's update of
+# near-zero-gradient elements amplify fp32 reordering noise by lr/eps, for PEFT against itself as much as for us.
+ADAM = AdamParams(learning_rate=1e-2, beta1=0.85, beta2=0.98, weight_decay=0.05, grad_clip_norm=5.0)
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -50,6 +52,13 @@ def perturbed_adapter(model, model_id: str, rank: int, seed: int) -> AdapterStat
     state = {key: value + 0.05 * torch.randn(value.shape, generator=generator) for key, value in adapter.state_dict().items()}
     adapter.load_state_dict(state)
     return adapter
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Equal within `rel` of the tensor's own size: fp32 sums in another order change near-zero elements
+    relatively much (and Adam turns a gradient's relative error into its update's), the whole tensor little."""
+    error = float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
+    assert error <= rel, f"relative error {error:.3g} > {rel}"
 
 
 def logprobs_of(output) -> list[torch.Tensor]:
@@ -117,11 +126,7 @@ def test_three_steps_equal_peft_with_torch_adamw():
     actual = adapter.state_dict()
     assert actual.keys() == expected.keys()
     for key in expected:
-        # Adam turns rounding-level gradient differences on near-zero gradients into ~lr-relative noise on
-        # single elements, so compare each matrix relative to its own scale, plus a tight elementwise bound.
-        scale = expected[key].abs().max()
-        torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-5 * scale)
-        assert torch.linalg.vector_norm(actual[key] - expected[key]) <= 1e-5 * torch.linalg.vector_norm(expected[key])
+        assert_close_rel(actual[key], expected[key], 1e-5)
     assert adapter.step == 3
 
 
@@ -143,8 +148,8 @@ def test_two_half_batches_then_one_step_equal_the_whole_batch():
     optim_step(halves, ADAM)
 
     assert sum(half_losses) == pytest.approx(whole_loss, rel=1e-6)
-    torch.testing.assert_close(halves.params, whole.params, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(halves.exp_avg_sq, whole.exp_avg_sq, rtol=1e-5, atol=1e-12)
+    assert_close_rel(halves.params, whole.params, 1e-5)
+    assert_close_rel(halves.exp_avg_sq, whole.exp_avg_sq, 1e-5)
 
 
 def test_two_items_of_one_adapter_in_one_call_accumulate():
@@ -156,7 +161,7 @@ def test_two_items_of_one_adapter_in_one_call_accumulate():
         model,
         [ForwardItem(two, data[:1], "cross_entropy", None, False), ForwardItem(two, data[1:], "cross_entropy", None, False)],
     )
-    torch.testing.assert_close(two.pending_grad, one.pending_grad, rtol=1e-5, atol=1e-7)
+    assert_close_rel(two.pending_grad, one.pending_grad, 1e-5)
     assert [len(o.loss_fn_outputs) for o in outputs] == [1, 3]
 
 
@@ -209,7 +214,7 @@ def test_multi_adapter_batch_equals_each_adapter_alone():
             for got, want, unpadded in zip(logprobs_of(outputs[i]), alone_logprobs[i], single_row_logprobs[i]):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(got, unpadded, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(adapter.pending_grad, alone_grads[i], rtol=1e-4, atol=1e-6)
+            assert_close_rel(adapter.pending_grad, alone_grads[i], 1e-5)
             discard_gradients(adapter)
 
     assert torch.equal(bystander.params, bystander_params)

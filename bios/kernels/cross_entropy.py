@@ -122,13 +122,47 @@ def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
         out.addmm_(dlogits @ lora_b.to(out.dtype), lora_a.to(out.dtype), alpha=lora_scale)
 
 
+def _chunk_logprobs_and_grad_(logprobs, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
+    """One chunk of the frozen-head forward: writes log p(target) and d log p(target) / d hidden in place.
+
+    A function of its own so that the chunk's logits are freed before the next chunk allocates its own.
+    """
+    t = targets[:, None]
+    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
+    target_logit = logits.gather(1, t).squeeze(1)
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()
+    row_sum = probs.sum(dim=1, keepdim=True)
+    torch.sub(target_logit, (row_max + row_sum.log()).squeeze(1), out=logprobs)
+    dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
+    dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
+    _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
+
+
+def _chunk_backward_(grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
+    """One chunk of the trainable-head backward: recomputes the logits and accumulates into `grads` in place."""
+    grad_hidden, grad_weight, grad_a, grad_b = grads
+    g = grad_logprobs[:, None]
+    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
+    dlogits = logits.sub_(lse[:, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
+    dlogits.scatter_add_(1, targets[:, None], g.to(logits.dtype))
+    if grad_hidden is not None:
+        _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
+    h = h.to(dlogits.dtype)
+    if grad_weight is not None:
+        grad_weight.addmm_(dlogits.T, h)
+    if grad_b is not None:
+        grad_b.addmm_(dlogits.T, h @ lora_a.to(h.dtype).T, alpha=lora_scale)
+    if grad_a is not None:
+        grad_a.addmm_((dlogits @ lora_b.to(h.dtype)).T, h, alpha=lora_scale)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
         ctx.lora_scale, ctx.chunk = lora_scale, chunk
-        params_need_grad = any(ctx.needs_input_grad[i] for i in (1, 3, 4))
-        ctx.precomputed = not params_need_grad
-        if params_need_grad:
+        ctx.precomputed = not any(ctx.needs_input_grad[i] for i in (1, 3, 4))
+        if not ctx.precomputed:
             logprobs, lse = _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
             ctx.save_for_backward(hidden, weight, targets, lora_a, lora_b, lse)
             return logprobs
@@ -137,16 +171,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            t = targets[rows, None]
-            logits = _chunk_logits(hidden[rows], weight, lora_a, lora_b, lora_scale)
-            target_logit = logits.gather(1, t).squeeze(1)
-            row_max = logits.amax(dim=1, keepdim=True)
-            probs = logits.sub_(row_max).exp_()
-            row_sum = probs.sum(dim=1, keepdim=True)
-            torch.sub(target_logit, (row_max + row_sum.log()).squeeze(1), out=logprobs[rows])
-            dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
-            dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
-            _grad_hidden_chunk_(grad_hidden[rows], dlogits, weight, lora_a, lora_b, lora_scale)
+            _chunk_logprobs_and_grad_(
+                logprobs[rows], grad_hidden[rows], hidden[rows], weight, targets[rows], lora_a, lora_b, lora_scale
+            )
         ctx.save_for_backward(grad_hidden)
         return logprobs
 
@@ -157,27 +184,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grad_hidden * grad_logprobs[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
         hidden, weight, targets, lora_a, lora_b, lse = ctx.saved_tensors
         need_h, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
-        scale, n = ctx.lora_scale, hidden.shape[0]
-        acc = _result_dtype(weight.dtype)
+        acc = _result_dtype(weight.dtype)  # bf16 parameter gradients are accumulated over chunks in fp32
+
+        def zeros(like, needed):
+            return torch.zeros(like.shape, dtype=acc, device=like.device) if needed else None
+
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_a = torch.zeros(lora_a.shape, dtype=acc, device=hidden.device) if need_a else None
-        grad_b = torch.zeros(lora_b.shape, dtype=acc, device=hidden.device) if need_b else None
+        grad_weight, grad_a, grad_b = zeros(weight, need_w), zeros(lora_a, need_a), zeros(lora_b, need_b)
+        n = hidden.shape[0]
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
-            h, g, t = hidden[rows], grad_logprobs[rows, None], targets[rows, None]
-            logits = _chunk_logits(h, weight, lora_a, lora_b, scale)
-            dlogits = logits.sub_(lse[rows, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
-            dlogits.scatter_add_(1, t, g.to(logits.dtype))
-            if need_h:
-                _grad_hidden_chunk_(grad_hidden[rows], dlogits, weight, lora_a, lora_b, scale)
-            h = h.to(acc)
-            if need_w:
-                grad_weight.addmm_(dlogits.T, h)
-            if need_b:
-                grad_b.addmm_(dlogits.T, h @ lora_a.to(acc).T, alpha=scale)
-            if need_a:
-                grad_a.addmm_((dlogits @ lora_b.to(acc)).T, h, alpha=scale)
+            _chunk_backward_(
+                (None if grad_hidden is None else grad_hidden[rows], grad_weight, grad_a, grad_b),
+                grad_logprobs[rows], hidden[rows], weight, targets[rows], lse[rows], lora_a, lora_b, ctx.lora_scale,
+            )
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if need_w else None,

@@ -118,10 +118,11 @@ class _LoraLinear(torch.autograd.Function):
         for i, ((start, end), scale) in enumerate(zip(ctx.segments, ctx.scales)):
             need_a, need_b = ctx.needs_input_grad[5 + 2 * i : 7 + 2 * i]
             g = grad_y[start:end]
-            g_xa = (g @ lora_bs[i]).mul_(scale) if need_x or need_a else None  # d loss / d (x A^T)
+            # d loss / d (x A^T) is scale * g B; the scale goes on the small [r, in] / [out, r] results instead
+            g_b = g @ lora_bs[i] if need_x or need_a else None
             if need_x:
-                grad_x[start:end].addmm_(g_xa, lora_as[i])
-            grad_factors.append(g_xa.T @ x[start:end] if need_a else None)
+                grad_x[start:end].addmm_(g_b, lora_as[i], alpha=scale)
+            grad_factors.append((g_b.T @ x[start:end]).mul_(scale) if need_a else None)
             grad_factors.append((g.T @ xas[i]).mul_(scale) if need_b else None)
         grad_factors = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grad_factors, ctx.factor_dtypes)]
         return grad_x, grad_w, grad_bias, None, None, *grad_factors

@@ -192,12 +192,12 @@ class Codec:
                 max_map_len=limits.max_container_len,
                 max_ext_len=4096 + INLINE_TENSOR_MAX,
             )
-        except DecodeError:
-            raise
+        except DecodeError as exc:
+            raise DecodeError(str(exc), _readable_id(buffers[0])) from None
         except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise DecodeError(f"malformed msgpack header: {exc}") from None
+            raise DecodeError(f"malformed msgpack header: {exc}", _readable_id(buffers[0])) from None
         except Exception as exc:  # msgpack raises assorted errors on hostile input
-            raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+            raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}", _readable_id(buffers[0])) from None
         return self._envelope(header, len(buffers), used)
 
     def _envelope(self, header: Any, n_frames: int, used: set[int]) -> Envelope:
@@ -206,7 +206,8 @@ class Codec:
         env_id = header.get("id")
         if not isinstance(env_id, int) or isinstance(env_id, bool):
             raise DecodeError("header has no integer id")
-        if header.get("v") != WIRE_VERSION:
+        version = header.get("v")
+        if type(version) is not int or version != WIRE_VERSION:
             raise DecodeError(f"unsupported wire version {header.get('v')!r}; this side speaks {WIRE_VERSION}", env_id)
         reply_to = header.get("re")
         if reply_to is not None and (not isinstance(reply_to, int) or isinstance(reply_to, bool)):
@@ -249,7 +250,7 @@ class Codec:
         fields = self._fields[cls]
         extra = set(values) - set(fields)
         if extra:
-            raise DecodeError(f"{cls.__name__} has no field(s) {sorted(extra)}")
+            raise DecodeError(f"{cls.__name__} has no field(s) {sorted(extra, key=repr)}")
         checkers = self._checkers.get(cls)
         if checkers is None:
             checkers = self._checkers[cls] = self._compile(cls)
@@ -307,6 +308,16 @@ class Codec:
         return lambda v: True
 
 
+def _readable_id(header: memoryview) -> int | None:
+    """The sender's id from a header whose contents failed to decode, so the error reply can name its request."""
+    try:
+        raw = msgpack.unpackb(header, raw=False, ext_hook=lambda code, data: None)
+    except Exception:
+        return None
+    env_id = raw.get("id") if isinstance(raw, dict) else None
+    return env_id if isinstance(env_id, int) and not isinstance(env_id, bool) else None
+
+
 def _buffer(frame: Any) -> memoryview:
     if isinstance(frame, memoryview):
         return frame
@@ -316,17 +327,19 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(frame)
 
 
-def _array_ext(code: int, array: np.ndarray, frames: list[Any]) -> msgpack.ExtType:
-    if array.dtype.name not in _DTYPES or array.dtype.byteorder == ">":
+def _array_ext(code: int, array: np.ndarray, frames: list[Any], dtype_name: str | None = None) -> msgpack.ExtType:
+    dtype_name = dtype_name or array.dtype.name
+    if _DTYPES.get(dtype_name) != array.dtype or array.dtype.byteorder == ">":
         raise TypeError(f"cannot send arrays of dtype {array.dtype}")
-    array = np.ascontiguousarray(array)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)  # only when needed: it would also turn a 0-d array into shape (1,)
     ref: int | bytes
     if array.nbytes >= INLINE_TENSOR_MAX:
         frames.append(memoryview(array.reshape(-1).view(np.uint8)))
         ref = len(frames) - 1
     else:
         ref = array.tobytes()
-    return msgpack.ExtType(code, msgpack.packb([array.dtype.name, list(array.shape), ref], use_bin_type=True))
+    return msgpack.ExtType(code, msgpack.packb([dtype_name, list(array.shape), ref], use_bin_type=True))
 
 
 def _tensor_ext(tensor: Any, frames: list[Any]) -> msgpack.ExtType:
@@ -337,9 +350,7 @@ def _tensor_ext(tensor: Any, frames: list[Any]) -> msgpack.ExtType:
         t = t.cpu()
     t = t.contiguous()
     if t.dtype == torch.bfloat16:
-        ext = _array_ext(_EXT_TORCH, t.view(torch.int16).numpy().view(np.uint16), frames)
-        dtype_name, shape, ref = msgpack.unpackb(ext.data)
-        return msgpack.ExtType(_EXT_TORCH, msgpack.packb(["bfloat16", shape, ref], use_bin_type=True))
+        return _array_ext(_EXT_TORCH, t.view(torch.int16).numpy().view(np.uint16), frames, "bfloat16")
     return _array_ext(_EXT_TORCH, t.numpy(), frames)
 
 
@@ -354,7 +365,7 @@ def _decode_tensor(code: int, data: bytes, buffers: list[memoryview], used: set[
         raise DecodeError("tensor descriptor must be [dtype, shape, ref]")
     dtype_name, shape, ref = spec
     dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-    if dtype is None:
+    if dtype is None or (code == _EXT_NUMPY and dtype_name == "bfloat16"):  # numpy has no bfloat16
         raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
     if not (isinstance(shape, list) and len(shape) <= limits.max_tensor_dims):
         raise DecodeError("tensor shape must be a list of at most %d dims" % limits.max_tensor_dims)

@@ -1,0 +1,1 @@
+"""`bios demo`: the main job, fine-tuning on the embedded cluster."""
