@@ -2,12 +2,14 @@
 
     python bench/kernels.py [--quick] [--only ce,lora,adamw]
 
-Every configuration runs in a fresh subprocess (so its peak memory is its own) and reports the median time
-of a few fwd+bwd repetitions and its peak extra memory: RSS high-water mark above the RSS after the inputs
-were built (Linux `/proc/self/clear_refs` resets the mark), or `torch.cuda.max_memory_allocated` on GPU.
-LoRA rows also report the bytes autograd keeps for backward (unique storages seen by
-`saved_tensors_hooks`, parameters excluded). The table gives ratios against the reference row of the same
-group; absolute times on shared CPUs are noise, ratios are the result.
+Peak memory: every implementation runs once in a fresh subprocess; peak extra = RSS high-water mark above
+the RSS after the inputs were built (Linux `/proc/self/clear_refs` resets the mark), or
+`torch.cuda.max_memory_allocated` on GPU. LoRA rows also give the bytes autograd keeps for backward (unique
+storages seen by `saved_tensors_hooks`, parameters excluded). Time: one more subprocess per group runs its
+implementations round-robin (a warm-up round, then `rounds` rounds) and reports each one's median, so load
+from other processes hits reference and candidate alike; groups with rounds=0 (the huge ones) use the time
+of the memory run. The table gives ratios against the group's first row; absolute times on shared CPUs are
+noise, ratios are the result.
 """
 
 import argparse
@@ -34,16 +36,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class Case:
-    """One configuration: `group` rows share inputs and are compared with the group's `reference` impl."""
+class Group:
+    """Implementations of one op on the same inputs; `impls[0]` is the reference the others are divided by."""
 
-    group: str
+    title: str
     op: str
-    impl: str
+    impls: list[str]
     shape: dict[str, int]
     dtype: str = "float32"
-    reps: int = 3
-    warmup: int = 1
+    rounds: int = 3
     targets: dict[str, float] = field(default_factory=dict)  # metric -> maximum ratio vs the reference
 
 
@@ -103,25 +104,25 @@ def _saved_mib(run, exclude: list[torch.Tensor]) -> float:
     return sum(storages.values()) / MIB
 
 
-def _ce_step(case: Case, device: torch.device):
-    n, h, v = case.shape["n"], case.shape["h"], case.shape["v"]
-    dtype = DTYPES[case.dtype]
+def _ce_step(group: Group, impl: str, device: torch.device):
+    n, h, v = group.shape["n"], group.shape["h"], group.shape["v"]
+    dtype = DTYPES[group.dtype]
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).to(device, dtype).requires_grad_()
     weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device, dtype)
     targets = torch.randint(0, v, (n,), generator=gen).to(device)
     chunk = default_chunk_size(v)
-    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk) if case.impl == "torch_chunked" else None
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk) if impl == "torch_chunked" else None
 
     def logprobs():
-        if case.impl.startswith("naive"):
+        if impl.startswith("naive"):
             return torch.log_softmax((hidden @ weight.T).float(), -1).gather(1, targets[:, None]).squeeze(1)
-        if case.impl == "torch_chunked":
+        if impl == "torch_chunked":
             return -F.linear_cross_entropy(hidden, weight, targets, reduction="none", options=options)
         return linear_cross_entropy(hidden, weight, targets)
 
     def run(backward: bool = True):
-        if case.impl.endswith("_fwd"):
+        if impl.endswith("_fwd"):
             with torch.no_grad():
                 logprobs()
             return
@@ -133,15 +134,15 @@ def _ce_step(case: Case, device: torch.device):
     return run, [hidden, weight]
 
 
-def _lora_step(case: Case, device: torch.device):
+def _lora_step(group: Group, impl: str, device: torch.device):
     from peft import LoraConfig
     from peft.tuners.lora import Linear as PeftLoraLinear
 
-    t, d, r = case.shape["tokens"], case.shape["dim"], case.shape["rank"]
-    dtype = DTYPES[case.dtype]
+    t, d, r = group.shape["tokens"], group.shape["dim"], group.shape["rank"]
+    dtype = DTYPES[group.dtype]
     torch.manual_seed(0)
     base = torch.nn.Linear(d, d, bias=False).to(device, dtype).requires_grad_(False)
-    dropout = 0.05 if case.impl == "peft_dropout" else 0.0
+    dropout = 0.05 if impl == "peft_dropout" else 0.0
     layer = PeftLoraLinear(
         base, "default", config=LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout),
         r=r, lora_alpha=2 * r, lora_dropout=dropout,
@@ -155,14 +156,14 @@ def _lora_step(case: Case, device: torch.device):
 
     def run(backward: bool = True):
         x.grad = lora_a.grad = lora_b.grad = None
-        if case.impl.startswith("peft"):
+        if impl.startswith("peft"):
             y = layer(x)
         else:
             y = lora_linear(x, base.weight, None, lora_a, lora_b, 2.0)
         if backward:
             y.backward(grad_y)
 
-    return run, [base.weight, lora_a, lora_b, x]
+    return run, [base.weight, lora_a, lora_b]
 
 
 SMOLLM2_135M = {"layers": 30, "hidden": 576, "intermediate": 1536, "kv": 192}
@@ -179,15 +180,15 @@ def _adapter_shapes(rank: int) -> list[tuple[int, int]]:
     return shapes
 
 
-def _adamw_step(case: Case, device: torch.device):
+def _adamw_step(group: Group, impl: str, device: torch.device):
     from bios.kernels.adamw import adamw_step
 
-    shapes = _adapter_shapes(case.shape["rank"])
+    shapes = _adapter_shapes(group.shape["rank"])
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(s, generator=gen).to(device) * 0.01 for s in shapes]
     grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     hyper = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.01, "grad_clip_norm": 1.0}
-    if case.impl == "bios":
+    if impl == "bios":
         flat_params = torch.cat([v.flatten() for v in values])
         flat_grads = torch.cat([g.flatten() for g in grads])
         exp_avg, exp_avg_sq = torch.zeros_like(flat_params), torch.zeros_like(flat_params)
@@ -204,7 +205,7 @@ def _adamw_step(case: Case, device: torch.device):
         p.grad = g
     optimizer = torch.optim.AdamW(
         params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
-        weight_decay=hyper["weight_decay"], foreach=case.impl == "torch_foreach", fused=case.impl == "torch_fused",
+        weight_decay=hyper["weight_decay"], foreach=impl == "torch_foreach", fused=impl == "torch_fused",
     )
 
     def run(backward: bool = True):
@@ -217,65 +218,86 @@ def _adamw_step(case: Case, device: torch.device):
 STEPS = {"ce": _ce_step, "lora": _lora_step, "adamw": _adamw_step}
 
 
-def measure(case: Case) -> Measurement:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run, exclude = STEPS[case.op](case, device)
-    saved = _saved_mib(run, exclude) if case.op == "lora" else None
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def measure_memory(group: Group, impl: str) -> Measurement:
+    """One fwd+bwd (or optimizer step) of `impl`; meant to run in a fresh process."""
+    device = _device()
+    run, params = STEPS[group.op](group, impl, device)
+    saved = _saved_mib(run, params) if group.op == "lora" else None
     peak = PeakMemory(device)
-    times = []
-    for i in range(case.warmup + case.reps):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        if i >= case.warmup:
-            times.append(time.perf_counter() - start)
-    return Measurement(statistics.median(times), peak.extra_mib(), saved)
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return Measurement(time.perf_counter() - start, peak.extra_mib(), saved)
+
+
+def measure_times(group: Group) -> dict[str, float]:
+    """Median time per implementation, running them round-robin after one warm-up round."""
+    device = _device()
+    runs = {impl: STEPS[group.op](group, impl, device)[0] for impl in group.impls}
+    times: dict[str, list[float]] = {impl: [] for impl in group.impls}
+    for round_index in range(1 + group.rounds):
+        for impl, run in runs.items():
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            if round_index:
+                times[impl].append(time.perf_counter() - start)
+    return {impl: statistics.median(values) for impl, values in times.items()}
 
 
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def cases(quick: bool, only: set[str]) -> list[Case]:
+def groups(quick: bool, only: set[str]) -> list[Group]:
     ce_targets = {"time": 1.0, "mem": 0.15}
-    lora_targets = {"time": 0.9, "saved": 0.7}
-    out: list[Case] = []
+    out: list[Group] = []
     if "ce" in only:
         n = 1024 if quick else 4096
-        for h, v, impls, reps, warmup in [
-            (576, 49152, ["naive", "bios"] if quick else ["naive", "bios", "torch_chunked"], 3, 1),
-            (2048, 128256, ["naive", "bios"], 1, 0),
-        ]:
-            group = f"linear_cross_entropy fwd+bwd N={n} H={h} V={v}"
-            out += [Case(group, "ce", impl, {"n": n, "h": h, "v": v}, reps=reps, warmup=warmup,
-                         targets=ce_targets) for impl in impls]
+        shape = {"n": n, "h": 576, "v": 49152}
+        impls = ["naive", "bios"] if quick else ["naive", "bios", "torch_chunked"]
+        out.append(Group(f"linear_cross_entropy fwd+bwd N={n} H=576 V=49152", "ce", impls, shape,
+                         rounds=2 if quick else 3, targets=ce_targets))
+        out.append(Group(f"linear_cross_entropy fwd+bwd N={n} H=2048 V=128256", "ce", ["naive", "bios"],
+                         {"n": n, "h": 2048, "v": 128256}, rounds=0, targets=ce_targets))
         if not quick:
-            shape = {"n": n, "h": 576, "v": 49152}
-            group = f"linear_cross_entropy fwd+bwd bf16 N={n} H=576 V=49152"
-            out += [Case(group, "ce", impl, shape, dtype="bfloat16", targets=ce_targets) for impl in ["naive", "bios"]]
-            group = f"linear_cross_entropy no_grad N={n} H=576 V=49152"
-            out += [Case(group, "ce", impl, shape, targets={"time": 1.0}) for impl in ["naive_fwd", "bios_fwd"]]
+            out.append(Group(f"linear_cross_entropy fwd+bwd bf16 N={n} H=576 V=49152", "ce", ["naive", "bios"],
+                             shape, dtype="bfloat16", targets=ce_targets))
+            out.append(Group(f"linear_cross_entropy no_grad N={n} H=576 V=49152", "ce", ["naive_fwd", "bios_fwd"],
+                             shape, targets={"time": 1.0, "mem": 0.15}))
     if "lora" in only:
         for dim in [576] if quick else [576, 2048]:
-            group = f"lora_linear fwd+bwd T=4096 in=out={dim} r=16"
-            shape = {"tokens": 4096, "dim": dim, "rank": 16}
             impls = ["peft", "bios"] if quick else ["peft", "bios", "peft_dropout"]
-            out += [Case(group, "lora", impl, shape, reps=5, targets=lora_targets) for impl in impls]
+            out.append(Group(f"lora_linear fwd+bwd T=4096 in=out={dim} r=16", "lora", impls,
+                             {"tokens": 4096, "dim": dim, "rank": 16}, rounds=10 if quick else 20,
+                             targets={"time": 0.9, "saved": 0.7}))
     if "adamw" in only:
-        group = "adamw+clip step, rank-16 SmolLM2-135M adapter (4.9M params)"
         impls = ["torch_foreach", "bios"] if quick else ["torch_foreach", "bios", "torch_fused"]
-        out += [Case(group, "adamw", impl, {"rank": 16}, reps=10 if quick else 30, warmup=3,
-                     targets={"time": 1.0}) for impl in impls]
+        out.append(Group("adamw + clip_grad_norm_ step, rank-16 SmolLM2-135M adapter (4.9M params)", "adamw", impls,
+                         {"rank": 16}, rounds=10 if quick else 30, targets={"time": 1.0}))
     return out
 
 
-def run_in_subprocess(case: Case) -> Measurement:
+def _subprocess(flag: str, payload: dict) -> dict:
     result = subprocess.run(
-        [sys.executable, __file__, "--case", json.dumps(asdict(case))], capture_output=True, text=True, check=False
+        [sys.executable, __file__, flag, json.dumps(payload)], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
-        raise RuntimeError(f"benchmark case {case.group} / {case.impl} failed:\n{result.stderr[-3000:]}")
-    return Measurement(**json.loads(result.stdout.strip().splitlines()[-1]))
+        raise RuntimeError(f"benchmark subprocess {flag} {payload} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_group(group: Group) -> dict[str, Measurement]:
+    memory = {
+        impl: Measurement(**_subprocess("--memory", {"group": asdict(group), "impl": impl})) for impl in group.impls
+    }
+    times = _subprocess("--timing", {"group": asdict(group)}) if group.rounds else {}
+    return {impl: Measurement(times.get(impl, m.time_s), m.peak_extra_mib, m.saved_mib) for impl, m in memory.items()}
 
 
 def machine() -> str:
@@ -297,28 +319,25 @@ def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x"
 
 
-def print_table(results: list[tuple[Case, Measurement]]) -> None:
-    header = f"{'impl':<14} {'time':>10} {'x ref':>7} {'peak extra':>12} {'x ref':>7} {'saved':>10} {'x ref':>7}  target"
-    references: dict[str, Measurement] = {}
-    current = None
-    for case, m in results:
-        if case.group != current:
-            current = case.group
-            references[current] = m
-            print(f"\n{current}  (reference: {case.impl})\n{header}")
-        ref = references[current]
+def print_group(group: Group, results: dict[str, Measurement]) -> None:
+    ref = results[group.impls[0]]
+    print(f"\n{group.title}  (reference: {group.impls[0]}, timing rounds: {group.rounds or 'single run'})")
+    print(f"{'impl':<14} {'time':>10} {'x ref':>7} {'peak extra':>12} {'x ref':>7} {'saved':>10} {'x ref':>7}  target")
+    for impl, m in results.items():
         ratios = {"time": m.time_s / ref.time_s, "mem": m.peak_extra_mib / max(ref.peak_extra_mib, 1e-9)}
         if m.saved_mib is not None and ref.saved_mib:
             ratios["saved"] = m.saved_mib / ref.saved_mib
         verdict = ""
-        if case.impl.startswith("bios") and case.targets:
-            checks = [f"{k}<={limit}: {'met' if ratios.get(k, 0) <= limit else 'MISSED'}" for k, limit in case.targets.items()]
-            verdict = ", ".join(checks)
+        if impl.startswith("bios"):
+            verdict = ", ".join(
+                f"{k}<={limit}x {'met' if ratios[k] <= limit else 'MISSED'}" for k, limit in group.targets.items()
+            )
         saved = f"{m.saved_mib:.1f} MiB" if m.saved_mib is not None else "-"
         print(
-            f"{case.impl:<14} {m.time_s * 1e3:>8.1f}ms {_ratio(m.time_s, ref.time_s):>7} "
+            f"{impl:<14} {m.time_s * 1e3:>8.1f}ms {_ratio(m.time_s, ref.time_s):>7} "
             f"{m.peak_extra_mib:>8.0f} MiB {_ratio(m.peak_extra_mib, ref.peak_extra_mib):>7} "
-            f"{saved:>10} {_ratio(m.saved_mib, ref.saved_mib):>7}  {verdict}"
+            f"{saved:>10} {_ratio(m.saved_mib, ref.saved_mib):>7}  {verdict}",
+            flush=True,
         )
 
 
@@ -326,19 +345,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repetitions")
     parser.add_argument("--only", default="ce,lora,adamw", help="comma-separated subset of ce, lora, adamw")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one configuration, print JSON
+    parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one implementation's memory run
+    parser.add_argument("--timing", help=argparse.SUPPRESS)  # internal: one group's interleaved timing
     args = parser.parse_args()
-    if args.case:
-        spec = json.loads(args.case)
-        print(json.dumps(asdict(measure(Case(**spec)))))
+    if args.memory:
+        spec = json.loads(args.memory)
+        print(json.dumps(asdict(measure_memory(Group(**spec["group"]), spec["impl"]))))
+        return
+    if args.timing:
+        print(json.dumps(measure_times(Group(**json.loads(args.timing)["group"]))))
         return
     print(machine())
-    print("times are medians of fwd+bwd (or one optimizer step); peak extra = RSS high-water mark above the inputs")
-    results = []
-    for case in cases(args.quick, set(args.only.split(","))):
-        results.append((case, run_in_subprocess(case)))
-        print(f"  measured {case.group} / {case.impl}: {results[-1][1]}", file=sys.stderr, flush=True)
-    print_table(results)
+    print("time: median fwd+bwd (adamw: one optimizer step); peak extra: RSS high-water mark above the inputs")
+    for group in groups(args.quick, set(args.only.split(","))):
+        print_group(group, run_group(group))
 
 
 if __name__ == "__main__":

@@ -232,7 +232,8 @@ class Coordinator:
         self._worker_asks[env_id] = future
         try:
             await self.workers.send(peer, Envelope(env_id, body))
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         finally:
             self._worker_asks.pop(env_id, None)
 

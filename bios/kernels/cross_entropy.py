@@ -47,7 +47,7 @@ def linear_cross_entropy(
     trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in trainable)):
         with torch.no_grad():
-            return _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)[0]
+            return _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)[0]
     return _LinearCrossEntropy.apply(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
 
 
@@ -101,17 +101,36 @@ def _chunk_logits(h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
     return logits.to(_result_dtype(h.dtype))
 
 
-def _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
+def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grad_hidden=None):
+    """Log-probs and row log-sum-exps, chunk by chunk; also fills `grad_hidden` (d log p / d hidden) if given."""
     n = hidden.shape[0]
     dtype = _result_dtype(hidden.dtype)
     logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
     lse = torch.empty(n, dtype=dtype, device=hidden.device)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        logits = _chunk_logits(hidden[rows], weight, lora_a, lora_b, lora_scale)
-        torch.logsumexp(logits, dim=1, out=lse[rows])
-        torch.sub(logits.gather(1, targets[rows, None]).squeeze(1), lse[rows], out=logprobs[rows])
+        _forward_chunk_(
+            logprobs[rows], lse[rows], None if grad_hidden is None else grad_hidden[rows],
+            hidden[rows], weight, targets[rows], lora_a, lora_b, lora_scale,
+        )
     return logprobs, lse
+
+
+def _forward_chunk_(logprobs, lse, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
+    """One chunk, results written in place (a function of its own so its logits die before the next chunk's)."""
+    t = targets[:, None]
+    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
+    target_logit = logits.gather(1, t).squeeze(1)
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()  # unnormalised softmax, in the logits' memory
+    row_sum = probs.sum(dim=1, keepdim=True)
+    torch.add(row_max.squeeze(1), row_sum.log().squeeze(1), out=lse)
+    torch.sub(target_logit, lse, out=logprobs)
+    if grad_hidden is None:
+        return
+    dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
+    dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
+    _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
 
 
 def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
@@ -120,23 +139,6 @@ def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
     torch.mm(dlogits, weight, out=out)
     if lora_a is not None:
         out.addmm_(dlogits @ lora_b.to(out.dtype), lora_a.to(out.dtype), alpha=lora_scale)
-
-
-def _chunk_logprobs_and_grad_(logprobs, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
-    """One chunk of the frozen-head forward: writes log p(target) and d log p(target) / d hidden in place.
-
-    A function of its own so that the chunk's logits are freed before the next chunk allocates its own.
-    """
-    t = targets[:, None]
-    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
-    target_logit = logits.gather(1, t).squeeze(1)
-    row_max = logits.amax(dim=1, keepdim=True)
-    probs = logits.sub_(row_max).exp_()
-    row_sum = probs.sum(dim=1, keepdim=True)
-    torch.sub(target_logit, (row_max + row_sum.log()).squeeze(1), out=logprobs)
-    dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
-    dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
-    _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
 
 
 def _chunk_backward_(grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
@@ -162,19 +164,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
         ctx.lora_scale, ctx.chunk = lora_scale, chunk
         ctx.precomputed = not any(ctx.needs_input_grad[i] for i in (1, 3, 4))
-        if not ctx.precomputed:
-            logprobs, lse = _logprobs_and_lse(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
+        if ctx.precomputed:
+            grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+            logprobs, _ = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grad_hidden)
+            ctx.save_for_backward(grad_hidden)
+        else:
+            logprobs, lse = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
             ctx.save_for_backward(hidden, weight, targets, lora_a, lora_b, lse)
-            return logprobs
-        n = hidden.shape[0]
-        logprobs = torch.empty(n, dtype=_result_dtype(hidden.dtype), device=hidden.device)
-        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-        for start in range(0, n, chunk):
-            rows = slice(start, min(start + chunk, n))
-            _chunk_logprobs_and_grad_(
-                logprobs[rows], grad_hidden[rows], hidden[rows], weight, targets[rows], lora_a, lora_b, lora_scale
-            )
-        ctx.save_for_backward(grad_hidden)
         return logprobs
 
     @staticmethod

@@ -47,7 +47,7 @@ def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPI
 class Connection:
     def __init__(self, address: str, api_key: str | None, *, connect_timeout_s: float = 30.0) -> None:
         self.address = address
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bios-sdk", daemon=True)
         self._thread.start()
         self._results: dict[str, concurrent.futures.Future[Any]] = {}
@@ -184,6 +184,14 @@ class Connection:
         self._fail_all(exceptions.APIConnectionError("the ServiceClient was closed"))
         await self._remote.close()
         self._ctx.term()
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _resolve(future: concurrent.futures.Future[Any], done: m.RequestDone) -> None:

@@ -75,10 +75,10 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
             if targets.is_floating_point():
                 raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be int64 token ids, got float32")
             for name, ids, limit in (("model_input", tokens, vocab_in), ("target_tokens", targets, vocab_out)):
-                if int(ids.min()) < 0 or int(ids.max()) >= limit:
+                outside = ids[(ids < 0) | (ids >= limit)]
+                if outside.numel():
                     raise ValueError(
-                        f"{where}: {name} holds token id {int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, "
-                        f"outside this model's vocabulary [0, {limit})"
+                        f"{where}: {name} holds token id {int(outside[0])}, outside this model's vocabulary [0, {limit})"
                     )
             rows.append(_Row(item_index, datum_index, item.adapter, tokens, targets.to(torch.int64), inputs))
     return rows

@@ -80,7 +80,7 @@ def ppo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float])
 
 def cispo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
     """`-(sg(clip(r, low, high)) * logp * A).sum()`: clipped importance weights that never stop a token's gradient."""
-    weight = _clip(_ratio(logp, inputs), *_clip_bounds(inputs, config))
+    weight = _clip(_ratio(logp, inputs), *_clip_bounds(inputs, config)).detach()
     return -(weight * logp * inputs["advantages"]).sum()
 
 

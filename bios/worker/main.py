@@ -45,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    asyncio.run(run(args))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(run(args))
+    else:
+        uvloop.run(run(args))
     return 0
 
 
