@@ -8,6 +8,16 @@
 __version__ = "0.1.0"
 
 from bios import exceptions, types  # noqa: E402
-from bios.sdk import APIFuture, LocalCluster, ServiceClient, TrainingClient  # noqa: E402
+from bios.sdk import (  # noqa: E402
+    APIFuture,
+    LocalCluster,
+    RestClient,
+    SamplingClient,
+    ServiceClient,
+    TrainingClient,
+)
 
-__all__ = ["APIFuture", "LocalCluster", "ServiceClient", "TrainingClient", "exceptions", "types", "__version__"]
+__all__ = [
+    "APIFuture", "LocalCluster", "RestClient", "SamplingClient", "ServiceClient", "TrainingClient",
+    "exceptions", "types", "__version__",
+]

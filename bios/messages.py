@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -57,13 +57,29 @@ class Ack:
 
 
 @dataclass(frozen=True)
+class CheckpointState:
+    """A checkpoint's tensors (PEFT key names) and metadata; travels as zero-copy frames."""
+
+    adapter: dict[str, np.ndarray]
+    optimizer: dict[str, np.ndarray] | None
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class CreateModel:
-    """Creates a training run; its model id is `{session_id}:train:{model_seq_id}` (the Tinker format)."""
+    """Creates a training run; its model id is `{session_id}:train:{model_seq_id}` (the Tinker format).
+
+    With `from_path` the adapter starts from that checkpoint (and its optimizer state if `with_optimizer`);
+    the coordinator fills `state` from its store before the op reaches a worker.
+    """
 
     session_id: str
     model_seq_id: int
     base_model: str
     lora: t.LoraConfig
+    from_path: str | None = None
+    with_optimizer: bool = False
+    state: CheckpointState | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +99,51 @@ class OptimStep:
     adam_params: t.AdamParams
 
 
-REQUEST_TYPES: tuple[type, ...] = (CreateModel, ForwardBackward, OptimStep)
+@dataclass(frozen=True)
+class SaveWeights:
+    """save_state (`kind="weights"`: adapter + optimizer) or save_weights_for_sampler (adapter only).
+
+    `name=None` picks a unique name. The coordinator fills `path` before the op reaches a worker.
+    """
+
+    model_id: str
+    seq_id: int
+    name: str | None
+    kind: Literal["weights", "sampler_weights"]
+    overwrite: bool = False
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    """Replace the adapter (and the optimizer state if `optimizer`, else reset it) with a checkpoint's."""
+
+    model_id: str
+    seq_id: int
+    path: str
+    optimizer: bool
+    state: CheckpointState | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Sampling from a base model, optionally with a saved adapter (`adapter_path`).
+
+    The coordinator fills `base_model`, `adapter_path` and (when the worker lacks them) `adapter_state`.
+    """
+
+    sampling_session_id: str
+    seq_id: int
+    prompt: t.ModelInput
+    num_samples: int
+    sampling_params: t.SamplingParams
+    prompt_logprobs: bool = False
+    base_model: str = ""
+    adapter_path: str | None = None
+    adapter_state: CheckpointState | None = None
+
+
+REQUEST_TYPES: tuple[type, ...] = (CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Sample)
 FORWARD_TYPES: tuple[type, ...] = (ForwardBackward,)
 
 
@@ -100,6 +160,13 @@ class RequestDone:
     result: Any = None
     error: RemoteError | None = None
     cycle_id: int = 0
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A worker's answer to SaveWeights: the tensors for the coordinator's checkpoint store."""
+
+    state: CheckpointState
 
 
 @dataclass(frozen=True)
@@ -121,6 +188,54 @@ class GetInfo:
 @dataclass(frozen=True)
 class GetServerCapabilities:
     pass
+
+
+@dataclass(frozen=True)
+class CreateSamplingSession:
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+@dataclass(frozen=True)
+class GetSamplingSession:
+    sampling_session_id: str
+
+
+@dataclass(frozen=True)
+class ListTrainingRuns:
+    limit: int = 20
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class GetTrainingRun:
+    training_run_id: str
+
+
+@dataclass(frozen=True)
+class ListCheckpoints:
+    training_run_id: str
+
+
+@dataclass(frozen=True)
+class DeleteCheckpoint:
+    path: str
+
+
+@dataclass(frozen=True)
+class FetchCheckpoint:
+    """Download a checkpoint's tensors and metadata (for export)."""
+
+    path: str
 
 
 @dataclass(frozen=True)

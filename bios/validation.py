@@ -111,3 +111,42 @@ def validate_adam_params(params: t.AdamParams) -> None:
     for name, value, ok, rule in checks:
         if not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
             raise BadRequestError(f"AdamParams.{name} {rule}, got {value!r}", field=f"adam_params.{name}")
+
+
+MAX_SAMPLES_PER_REQUEST = 128
+
+
+def validate_sample(prompt: t.ModelInput, num_samples: int, params: t.SamplingParams,
+                    info: t.BaseModelInfo | None) -> None:
+    """Check a sampling request; `info` (when known) bounds token ids and the context."""
+    if not isinstance(num_samples, int) or not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
+        raise BadRequestError(f"num_samples must be between 1 and {MAX_SAMPLES_PER_REQUEST}, got {num_samples!r}",
+                              field="num_samples")
+    tokens = prompt.to_ints()
+    if not tokens:
+        raise BadRequestError("prompt is empty", field="prompt")
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise BadRequestError(f"sampling_params.max_tokens must be >= 1, got {params.max_tokens}",
+                              field="sampling_params.max_tokens")
+    if not (isinstance(params.temperature, (int, float)) and math.isfinite(params.temperature)
+            and params.temperature >= 0):
+        raise BadRequestError(f"sampling_params.temperature must be >= 0, got {params.temperature!r}",
+                              field="sampling_params.temperature")
+    if not (isinstance(params.top_p, (int, float)) and 0 < params.top_p <= 1):
+        raise BadRequestError(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}",
+                              field="sampling_params.top_p")
+    if not isinstance(params.top_k, int) or (params.top_k != -1 and params.top_k < 1):
+        raise BadRequestError(f"sampling_params.top_k must be -1 (off) or >= 1, got {params.top_k!r}",
+                              field="sampling_params.top_k")
+    if info is None:
+        return
+    bad = next((tok for tok in tokens if not 0 <= tok < info.vocab_size), None)
+    if bad is not None:
+        raise BadRequestError(f"prompt has token id {bad}, outside {info.name}'s vocabulary [0, {info.vocab_size})",
+                              field="prompt")
+    if len(tokens) + (params.max_tokens or 1) > info.max_context_length:
+        raise BadRequestError(
+            f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds {info.name}'s context of "
+            f"{info.max_context_length} tokens",
+            field="sampling_params.max_tokens",
+        )

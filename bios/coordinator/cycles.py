@@ -7,6 +7,7 @@ its unfinished items go back to their queues (in order) and run again in the nex
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from .scheduler import CycleEnded, Finished, SelectWork
 log = logging.getLogger(__name__)
 
 SendToWorker = Callable[[bytes, Any], Awaitable[None]]
+LoadState = Callable[[str], m.CheckpointState]
 
 
 @dataclass
@@ -31,6 +33,7 @@ class _Cycle:
     generation: int
     workers: set[str]
     expected: set[str]
+    ops: dict[str, Any]
     finished: set[str] = field(default_factory=set)
     waiting: set[str] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -38,8 +41,10 @@ class _Cycle:
 
 
 class CycleRunner:
-    def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker) -> None:
+    def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
+                 load_state: LoadState) -> None:
         self.scheduler = scheduler
+        self.load_state = load_state
         self.clock = clock
         self.membership = membership
         self.send = send
@@ -62,11 +67,12 @@ class CycleRunner:
             generation=self.membership.generation,
             workers={worker.worker_id},
             expected={item.request_id for item in items},
+            ops={item.request_id: item.op for item in items},
             waiting={worker.worker_id},
         )
         self.current = cycle
         started = time.monotonic()
-        await self.send(worker.peer, m.RunCycle(cycle.cycle_id, items))
+        await self.send(worker.peer, m.RunCycle(cycle.cycle_id, self._with_sampler_weights(worker, items)))
         await cycle.done.wait()
         self.current = None
         self.clock.cycle_ran(time.monotonic() - started)
@@ -78,6 +84,25 @@ class CycleRunner:
             )
             self.clock.work_queued()
 
+    def _with_sampler_weights(self, worker: Member, items: list[m.WorkItem]) -> list[m.WorkItem]:
+        """Attach a sampler checkpoint's tensors to the first sample that needs them on this worker."""
+        held = set(worker.sampler_paths)
+        held.update(i.op.path for i in items if isinstance(i.op, m.SaveWeights) and i.op.kind == "sampler_weights")
+        out = []
+        for item in items:
+            op = item.op
+            if isinstance(op, m.Sample) and op.adapter_path is not None and op.adapter_path not in held:
+                try:
+                    state = self.load_state(op.adapter_path)
+                except Exception as exc:
+                    log.warning("sampler weights %s could not be loaded: %s", op.adapter_path, exc)
+                else:
+                    item = m.WorkItem(item.request_id, dataclasses.replace(op, adapter_state=state))
+                    held.add(op.adapter_path)
+                    worker.sampler_paths.add(op.adapter_path)
+            out.append(item)
+        return out
+
     def item_done(self, worker_id: str, done: m.ItemDone) -> None:
         cycle = self.current
         if cycle is None or done.cycle_id != cycle.cycle_id or worker_id not in cycle.workers:
@@ -85,6 +110,10 @@ class CycleRunner:
             return
         if done.request_id in cycle.expected and done.request_id not in cycle.finished:
             cycle.finished.add(done.request_id)
+            op = cycle.ops.get(done.request_id)
+            member = self.membership.members.get(worker_id)
+            if isinstance(op, m.SaveWeights) and op.kind == "sampler_weights" and done.error is None and member:
+                member.sampler_paths.add(op.path)
             self.scheduler.tell(Finished(done))
 
     def worker_done(self, worker_id: str, cycle_id: int) -> None:

@@ -21,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")))
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="automatic checkpoint of each run every N optimizer steps (0 = off)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="automatic checkpoints kept per run")
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -33,6 +36,8 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
         cycle_s=args.cycle_s,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
     )
     coordinator = Coordinator(config)
     addresses = await coordinator.start()

@@ -27,6 +27,7 @@ class Member:
     models: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "ready"  # ready | leaving | dead
+    sampler_paths: set[str] = field(default_factory=set)  # sampler checkpoints this worker holds in memory
 
 
 class Membership:

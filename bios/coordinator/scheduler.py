@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,17 +17,25 @@ from bios import messages as m
 from bios import types as t
 from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
+from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import BadRequestError, NotFoundError
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
-from bios.validation import validate_adam_params, validate_forward_backward, validate_lora_rank
+from bios.validation import validate_adam_params, validate_forward_backward, validate_lora_rank, validate_sample
 
+from .catalog import Catalog
 from .runs import Queued, Run, model_id_of, request_id_for, seq_of
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 Push = Callable[[bytes, list[Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    checkpoint_every: int = 0  # automatic checkpoint every N optimizer steps of a run (0 = off)
+    keep_checkpoints: int = 2  # automatic checkpoints kept per run
 
 
 # ------------------------------------------------------------------------------------ mailbox messages
@@ -38,6 +47,12 @@ class Submit:
     owner: str
     op: Any
     frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class Query:
+    owner: str
+    body: Any
 
 
 @dataclass(frozen=True)
@@ -58,30 +73,33 @@ class CycleEnded:
 
 
 @dataclass(frozen=True)
-class Describe:
-    model_id: str
-    owner: str | None = None
-
-
-@dataclass(frozen=True)
 class QueueDepth:
     pass
 
 
-@dataclass(frozen=True)
-class ListRuns:
-    owner: str | None = None
+@dataclass
+class Sampler:
+    owner: str
+    base_model: str
+    model_path: str | None
 
 
 class Scheduler(Actor):
-    def __init__(self, store: Store, codec: Codec, push: Push, on_work: Callable[[], None]) -> None:
+    def __init__(self, store: Store, catalog: Catalog, codec: Codec, push: Push, on_work: Callable[[], None],
+                 config: SchedulerConfig | None = None) -> None:
         self.store = store
+        self.catalog = catalog
         self.codec = codec
         self.push = push
         self.on_work = on_work
+        self.config = config or SchedulerConfig()
         self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.samples: list[Queued] = []
         self.waiters: dict[str, set[bytes]] = {}
-        self.cycle_ids: dict[str, int] = {}
+        self.running: dict[str, Any] = {}  # request id -> op, for the current cycle
+        self.steps: dict[str, int] = {}
+        self.base_infos: dict[str, t.BaseModelInfo] = {}
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, Submit):
@@ -92,18 +110,18 @@ class Scheduler(Actor):
             return await self._finished(message.done)
         if isinstance(message, CycleEnded):
             return self._cycle_ended(message)
-        if isinstance(message, Describe):
-            return self._describe(message)
+        if isinstance(message, Query):
+            return self._query(message.owner, message.body)
         if isinstance(message, QueueDepth):
-            return sum(len(run.queue) for run in self.runs.values())
-        if isinstance(message, ListRuns):
-            return [r for r in self.runs.values() if message.owner is None or r.owner == message.owner]
+            return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
         raise TypeError(f"scheduler got unexpected {type(message).__name__}")
 
     # ------------------------------------------------------------------------------------ accept
 
     async def _submit(self, sub: Submit) -> m.Accepted:
         op = sub.op
+        if isinstance(op, m.Sample):
+            return await self._submit_sample(sub)
         model_id = model_id_of(op)
         seq_id = seq_of(op)
         request_id = request_id_for(model_id, seq_id)
@@ -111,7 +129,7 @@ class Scheduler(Actor):
         if stored is not None:
             return await self._resubmitted(sub.peer, stored)
         if isinstance(op, m.CreateModel):
-            run = self._create_run(model_id, op, sub.owner)
+            op, run = self._create_run(model_id, op, sub.owner)
         else:
             run = self._run_for(model_id, sub.owner)
             if seq_id < run.next_seq or seq_id in run.queue:
@@ -121,11 +139,9 @@ class Scheduler(Actor):
                     field="seq_id",
                 )
         try:
-            self._validate(op, run)
+            op = self._prepare(op, run, sub.owner)
         except BadRequestError as exc:
-            exc.request_id = request_id
-            frames = self._encode_done(m.RequestDone(request_id, error=RemoteError.from_exception(exc)))
-            self.store.add_rejected(request_id, model_id, seq_id, type(op).__name__, frames)
+            self._reject(request_id, model_id, seq_id, op, exc)
             run.enqueue(seq_id, Queued(request_id, op, rejected=True))
             if isinstance(op, m.CreateModel):
                 self.runs.pop(model_id, None)
@@ -139,6 +155,30 @@ class Scheduler(Actor):
             self.on_work()
         return m.Accepted(request_id)
 
+    async def _submit_sample(self, sub: Submit) -> m.Accepted:
+        op: m.Sample = sub.op
+        request_id = request_id_for(op.sampling_session_id, op.seq_id)
+        stored = self.store.get_request(request_id)
+        if stored is not None:
+            return await self._resubmitted(sub.peer, stored)
+        sampler = self._sampler_for(op.sampling_session_id, sub.owner)
+        try:
+            validate_sample(op.prompt, op.num_samples, op.sampling_params, self.base_infos.get(sampler.base_model))
+        except BadRequestError as exc:
+            self._reject(request_id, op.sampling_session_id, op.seq_id, op, exc)
+            raise
+        op = dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path)
+        self.store.add_request(request_id, op.sampling_session_id, op.seq_id, "Sample", sub.frames)
+        self.samples.append(Queued(request_id, op))
+        self.waiters.setdefault(request_id, set()).add(sub.peer)
+        self.on_work()
+        return m.Accepted(request_id)
+
+    def _reject(self, request_id: str, model_id: str, seq_id: int, op: Any, exc: BadRequestError) -> None:
+        exc.request_id = request_id
+        frames = self._encode_done(m.RequestDone(request_id, error=RemoteError.from_exception(exc)))
+        self.store.add_rejected(request_id, model_id, seq_id, type(op).__name__, frames)
+
     async def _resubmitted(self, peer: bytes, stored: Any) -> m.Accepted:
         if stored.status == "rejected":
             error = self.codec.decode(stored.result).body.error
@@ -149,23 +189,40 @@ class Scheduler(Actor):
             self.waiters.setdefault(stored.request_id, set()).add(peer)
         return m.Accepted(stored.request_id)
 
-    def _create_run(self, model_id: str, op: m.CreateModel, owner: str) -> Run:
+    def _create_run(self, model_id: str, op: m.CreateModel, owner: str) -> tuple[m.CreateModel, Run]:
         if model_id in self.runs:
             raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
+        if op.from_path is not None:
+            state = self.catalog.load(op.from_path, owner, field="path")
+            meta = state.metadata
+            lora = t.LoraConfig(rank=int(meta["rank"]), seed=meta.get("seed"),
+                                train_unembed=bool(meta.get("train_unembed", True)),
+                                train_mlp=bool(meta.get("train_mlp", True)),
+                                train_attn=bool(meta.get("train_attn", True)))
+            op = dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
         run = Run(model_id, op.session_id, owner, op.base_model, op.lora)
         self.runs[model_id] = run
         self.store.add_run(model_id, op.session_id, owner, op.base_model, dataclasses.asdict(op.lora))
-        return run
+        return op, run
 
     def _run_for(self, model_id: str, owner: str | None) -> Run:
         run = self.runs.get(model_id)
         if run is None or (owner is not None and run.owner != owner):
-            raise NotFoundError(f"no training run {model_id!r}; create one with create_lora_training_client")
+            raise NotFoundError(f"no training run {model_id!r}; create one with create_lora_training_client",
+                                field="model_id")
         if run.status == "failed":
             raise BadRequestError(f"training run {model_id} failed to start; create a new one", field="model_id")
         return run
 
-    def _validate(self, op: Any, run: Run) -> None:
+    def _sampler_for(self, sampling_session_id: str, owner: str) -> Sampler:
+        sampler = self.samplers.get(sampling_session_id)
+        if sampler is None or sampler.owner != owner:
+            raise NotFoundError(f"no sampling session {sampling_session_id!r}; create one with create_sampling_client",
+                                field="sampling_session_id")
+        return sampler
+
+    def _prepare(self, op: Any, run: Run, owner: str) -> Any:
+        """Validate a request against its run and fill in what only the coordinator knows."""
         if isinstance(op, m.CreateModel):
             validate_lora_rank(op.lora.rank)
             if not op.base_model:
@@ -175,31 +232,88 @@ class Scheduler(Actor):
                 validate_forward_backward(op.data, op.loss_fn, op.loss_fn_config, run.info)
         elif isinstance(op, m.OptimStep):
             validate_adam_params(op.adam_params)
+        elif isinstance(op, m.SaveWeights):
+            name = op.name if op.name is not None else f"{op.seq_id:06d}-{uuid.uuid4().hex[:8]}"
+            check_name(name)
+            path = CheckpointPath(run.model_id, op.kind, name)
+            self.catalog.check_free(path, overwrite=op.overwrite or op.kind == "sampler_weights")
+            return dataclasses.replace(op, name=name, path=str(path))
+        elif isinstance(op, m.LoadWeights):
+            state = self.catalog.load(op.path, owner)
+            if state.metadata.get("base_model") != run.base_model:
+                raise BadRequestError(
+                    f"checkpoint {op.path} is for base model {state.metadata.get('base_model')}, "
+                    f"but run {run.model_id} trains {run.base_model}",
+                    field="path",
+                )
+            if op.optimizer and state.optimizer is None:
+                raise BadRequestError(f"{op.path} holds no optimizer state (it is a sampler checkpoint); "
+                                      "use load_state instead", field="path")
+            return dataclasses.replace(op, state=state)
+        return op
 
     # ------------------------------------------------------------------------------------ cycles
 
     def _select(self) -> list[m.WorkItem]:
         items: list[m.WorkItem] = []
         for run in self.runs.values():
-            items.extend(m.WorkItem(q.request_id, q.op) for q in run.take_cycle())
+            taken = run.take_cycle()
+            items.extend(m.WorkItem(q.request_id, q.op) for q in taken)
+            if taken and isinstance(taken[-1].op, m.OptimStep):
+                items.extend(self._automatic_checkpoint(run))
+        items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
+        self.samples = []
+        self.running = {item.request_id: item.op for item in items}
         if any(run.runnable() for run in self.runs.values()):
             self.on_work()
         return items
 
+    def _automatic_checkpoint(self, run: Run) -> list[m.WorkItem]:
+        step = self.steps[run.model_id] = self.steps.get(run.model_id, 0) + 1
+        every = self.config.checkpoint_every
+        if every <= 0 or step % every:
+            return []
+        path = CheckpointPath(run.model_id, "weights", f"auto-{step:06d}")
+        op = m.SaveWeights(run.model_id, -1, path.name, "weights", overwrite=True, path=str(path))
+        return [m.WorkItem(f"{run.model_id}#auto-{step}", op)]
+
     async def _finished(self, done: m.ItemDone) -> None:
         request_id = done.request_id
-        frames = self._encode_done(m.RequestDone(request_id, done.result, done.error, done.cycle_id))
+        op = self.running.get(request_id)
+        result, error = done.result, done.error
+        if isinstance(result, m.SavedState) and isinstance(op, m.SaveWeights):
+            result, error = self._store_checkpoint(op, result, request_id)
+        if "#auto-" in request_id:
+            return
         model_id = request_id.rpartition("#")[0]
         run = self.runs.get(model_id)
-        if isinstance(done.result, m.ModelCreated) and run is not None:
-            run.info, run.status = done.result.info, "ready"
-            self.store.set_run_status(model_id, "ready", dataclasses.asdict(done.result.info))
-        elif done.error is not None and run is not None and run.status == "creating":
+        if isinstance(result, m.ModelCreated) and run is not None:
+            run.info, run.status = result.info, "ready"
+            self.base_infos[run.base_model] = result.info
+            self.store.set_run_status(model_id, "ready", dataclasses.asdict(result.info))
+        elif error is not None and run is not None and run.status == "creating":
             run.status = "failed"
             self.store.set_run_status(model_id, "failed")
-        self.store.finish_request(request_id, "failed" if done.error else "done", frames)
+        frames = self._encode_done(m.RequestDone(request_id, result, error, done.cycle_id))
+        self.store.finish_request(request_id, "failed" if error else "done", frames)
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
+
+    def _store_checkpoint(self, op: m.SaveWeights, saved: m.SavedState, request_id: str) -> tuple[Any, Any]:
+        path = CheckpointPath.parse(op.path)
+        automatic = "#auto-" in request_id
+        run = self.runs.get(op.model_id)
+        try:
+            self.catalog.save(path, saved.state, owner=run.owner if run else "", automatic=automatic)
+        except OSError as exc:
+            log.exception("could not write checkpoint %s", path)
+            return None, RemoteError("RequestFailedError", f"could not write checkpoint {path}: {exc}",
+                                     request_id=request_id)
+        if automatic:
+            self.catalog.prune_automatic(op.model_id, self.config.keep_checkpoints)
+        if op.kind == "weights":
+            return t.SaveWeightsResponse(str(path)), None
+        return t.SaveWeightsForSamplerResponse(str(path)), None
 
     def _cycle_ended(self, ended: CycleEnded) -> None:
         for run in self.runs.values():
@@ -207,7 +321,11 @@ class Scheduler(Actor):
                 run.cycle_aborted(set(ended.finished))
             else:
                 run.cycle_committed()
-        if any(run.runnable() for run in self.runs.values()):
+        if ended.aborted:
+            self.samples = [Queued(rid, op) for rid, op in self.running.items()
+                            if isinstance(op, m.Sample) and rid not in ended.finished] + self.samples
+        self.running = {}
+        if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
 
     def _encode_done(self, done: m.RequestDone) -> list[bytes]:
@@ -215,8 +333,52 @@ class Scheduler(Actor):
 
     # ------------------------------------------------------------------------------------ queries
 
-    def _describe(self, query: Describe) -> t.GetInfoResponse:
-        run = self._run_for(query.model_id, query.owner)
+    def _query(self, owner: str, body: Any) -> Any:
+        if isinstance(body, m.GetInfo):
+            return self._describe(self._run_for(body.model_id, owner))
+        if isinstance(body, m.CreateSamplingSession):
+            return self._create_sampler(owner, body)
+        if isinstance(body, m.GetSamplingSession):
+            sampler = self._sampler_for(body.sampling_session_id, owner)
+            return m.SamplingSession(body.sampling_session_id, sampler.base_model, sampler.model_path)
+        if isinstance(body, m.ListTrainingRuns):
+            runs = self.store.list_runs(owner)
+            page = runs[body.offset: body.offset + body.limit]
+            return t.TrainingRunsResponse([self.catalog.training_run(r) for r in page],
+                                          t.Cursor(body.offset, body.limit, len(runs)))
+        if isinstance(body, m.GetTrainingRun):
+            return self.catalog.training_run(self._stored_run(body.training_run_id, owner))
+        if isinstance(body, m.ListCheckpoints):
+            self._stored_run(body.training_run_id, owner)
+            return t.CheckpointsListResponse(self.catalog.checkpoints(body.training_run_id))
+        if isinstance(body, m.DeleteCheckpoint):
+            self.catalog.delete(body.path, owner)
+            return m.Ack()
+        if isinstance(body, m.FetchCheckpoint):
+            return self.catalog.load(body.path, owner)
+        raise BadRequestError(f"the scheduler does not answer {type(body).__name__}", field="kind")
+
+    def _stored_run(self, run_id: str, owner: str) -> Any:
+        run = self.store.get_run(run_id)
+        if run is None or run.owner != owner:
+            raise NotFoundError(f"no training run {run_id!r}", field="training_run_id")
+        return run
+
+    def _create_sampler(self, owner: str, body: m.CreateSamplingSession) -> m.SamplingSession:
+        if body.model_path is None and not body.base_model:
+            raise BadRequestError("give a model_path (a sampler checkpoint) or a base_model", field="model_path")
+        base_model, model_path = body.base_model, None
+        if body.model_path is not None:
+            record = self.catalog.find(body.model_path, owner, field="model_path")
+            model_path = record.path
+            run = self.store.get_run(record.run_id)
+            base_model = run.base_model if run is not None else base_model
+        sampling_session_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+        self.samplers[sampling_session_id] = Sampler(owner, str(base_model), model_path)
+        self.store.add_sampling_session(sampling_session_id, owner, str(base_model), model_path)
+        return m.SamplingSession(sampling_session_id, str(base_model), model_path)
+
+    def _describe(self, run: Run) -> t.GetInfoResponse:
         info = run.info
         return t.GetInfoResponse(
             model_id=run.model_id,

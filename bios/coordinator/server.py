@@ -26,12 +26,18 @@ from bios.transport.sockets import Router, next_message_id
 from .clock import CycleClock
 from .cycles import CycleRunner
 from .membership import Membership
-from .scheduler import Describe, ListRuns, QueueDepth, Scheduler, Submit
+from .catalog import Catalog
+from .checkpoints import DirectoryCheckpointStore
+from .scheduler import Query, QueueDepth, Scheduler, SchedulerConfig, Submit
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 LOCAL_OWNER = "local"
+QUERY_TYPES = (
+    m.GetInfo, m.CreateSamplingSession, m.GetSamplingSession, m.ListTrainingRuns, m.GetTrainingRun,
+    m.ListCheckpoints, m.DeleteCheckpoint, m.FetchCheckpoint,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 5.0
     session_timeout_s: float = 120.0
     worker_heartbeat_s: float = 1.0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class Coordinator:
         self.clients = Router(self.ctx, self.codec)
         self.workers = Router(self.ctx, self.codec)
         self.store = Store(config.state_dir)
+        self.catalog = Catalog(self.store, DirectoryCheckpointStore(config.state_dir / "checkpoints"))
         self.clock = CycleClock(config.cycle_s)
         self.membership = Membership(config.heartbeat_timeout_s)
         self.sessions: dict[bytes, str] = {}
@@ -76,12 +85,14 @@ class Coordinator:
         if worker_port is None:
             worker_port = 0 if self.config.listen.endswith(":0") else client_port + 1
         workers = self.workers.bind(f"{host}:{worker_port}")
+        scheduling = SchedulerConfig(self.config.checkpoint_every, self.config.keep_checkpoints)
         self.scheduler = spawn(
-            lambda: Scheduler(self.store, self.codec, self._push, self.clock.work_queued),
+            lambda: Scheduler(self.store, self.catalog, self.codec, self._push, self.clock.work_queued, scheduling),
             name="scheduler",
             policy=Policy.RESUME,
         )
-        self.runner = CycleRunner(self.scheduler, self.clock, self.membership, self._send_to_worker)
+        self.runner = CycleRunner(self.scheduler, self.clock, self.membership, self._send_to_worker,
+                                  lambda path: self.catalog.load(path, None))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
@@ -135,8 +146,8 @@ class Coordinator:
         if isinstance(body, m.CloseSession):
             self.store.close_session(body.session_id)
             return _ready(m.Ack())
-        if isinstance(body, m.GetInfo):
-            return self.scheduler.ask_future(Describe(body.model_id, LOCAL_OWNER))
+        if isinstance(body, QUERY_TYPES):
+            return self.scheduler.ask_future(Query(LOCAL_OWNER, body))
         if isinstance(body, m.Ping):
             return self._ping(body)
         if isinstance(body, m.GetClusterStatus):
@@ -172,7 +183,7 @@ class Coordinator:
             generation=self.membership.generation,
             workers=self.membership.status(),
             queue_depth=await self.scheduler.ask(QueueDepth()),
-            runs=len(await self.scheduler.ask(ListRuns())),
+            runs=len(self.store.list_runs()),
             busy_s=self.clock.busy_s,
             uptime_s=time.monotonic() - self._started,
         )

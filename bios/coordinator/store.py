@@ -46,6 +46,25 @@ CREATE TABLE IF NOT EXISTS requests (
     result BLOB
 );
 CREATE INDEX IF NOT EXISTS requests_by_model ON requests (model_id, seq_id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    path TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    created REAL NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    automatic INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS checkpoints_by_run ON checkpoints (run_id, created);
+CREATE TABLE IF NOT EXISTS sampling_sessions (
+    sampling_session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    model_path TEXT,
+    created REAL NOT NULL
+);
 """
 
 
@@ -154,11 +173,58 @@ class Store:
             (status, time.time(), msgpack.packb(result), request_id),
         )
 
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    def add_checkpoint(self, ckpt: StoredCheckpoint) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (ckpt.path, ckpt.run_id, ckpt.kind, ckpt.name, ckpt.owner, ckpt.created, ckpt.size_bytes, ckpt.step,
+             int(ckpt.automatic)),
+        )
+
+    def get_checkpoint(self, path: str) -> StoredCheckpoint | None:
+        row = self.db.execute("SELECT * FROM checkpoints WHERE path = ?", (path,)).fetchone()
+        return None if row is None else StoredCheckpoint(*row[:8], bool(row[8]))
+
+    def list_checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
+        rows = self.db.execute("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY created", (run_id,)).fetchall()
+        return [StoredCheckpoint(*r[:8], bool(r[8])) for r in rows]
+
+    def delete_checkpoint(self, path: str) -> None:
+        self.db.execute("DELETE FROM checkpoints WHERE path = ?", (path,))
+
+    # ------------------------------------------------------------------------------------ sampling sessions
+
+    def add_sampling_session(self, session_id: str, owner: str, base_model: str, model_path: str | None) -> None:
+        self.db.execute(
+            "INSERT OR IGNORE INTO sampling_sessions VALUES (?, ?, ?, ?, ?)",
+            (session_id, owner, base_model, model_path, time.time()),
+        )
+
+    def get_sampling_session(self, session_id: str) -> tuple[str, str, str | None] | None:
+        row = self.db.execute(
+            "SELECT owner, base_model, model_path FROM sampling_sessions WHERE sampling_session_id = ?", (session_id,)
+        ).fetchone()
+        return None if row is None else (row[0], row[1], row[2])
+
     def get_request(self, request_id: str) -> StoredRequest | None:
         row = self.db.execute("SELECT status, result FROM requests WHERE request_id = ?", (request_id,)).fetchone()
         if row is None:
             return None
         return StoredRequest(request_id, row[0], None if row[1] is None else msgpack.unpackb(row[1]))
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    path: str
+    run_id: str
+    kind: str
+    name: str
+    owner: str
+    created: float
+    size_bytes: int
+    step: int
+    automatic: bool
 
 
 def _run(row: tuple[object, ...]) -> StoredRun:

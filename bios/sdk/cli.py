@@ -21,9 +21,36 @@ def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run_up)
 
     status = subparsers.add_parser("status", help="workers, generation, queue depth and cycles of a cluster")
-    status.add_argument("--address", default=os.environ.get("BIOS_ADDRESS", "tcp://127.0.0.1:7600"))
-    status.add_argument("--api-key", default=os.environ.get("BIOS_API_KEY"))
+    _connection_args(status)
     status.set_defaults(func=run_status)
+
+    runs = subparsers.add_parser("runs", help="training runs of this key")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True, metavar="COMMAND")
+    listing = runs_commands.add_parser("list", help="a table of runs")
+    _connection_args(listing)
+    listing.add_argument("--limit", type=int, default=50)
+    listing.set_defaults(func=run_runs_list)
+
+    checkpoints = subparsers.add_parser("checkpoints", help="list checkpoints of a run")
+    ckpt_commands = checkpoints.add_subparsers(dest="checkpoints_command", required=True, metavar="COMMAND")
+    ckpt_list = ckpt_commands.add_parser("list", help="a table of a run's checkpoints")
+    ckpt_list.add_argument("run_id")
+    _connection_args(ckpt_list)
+    ckpt_list.set_defaults(func=run_checkpoints_list)
+
+    checkpoint = subparsers.add_parser("checkpoint", help="export a checkpoint")
+    one = checkpoint.add_subparsers(dest="checkpoint_command", required=True, metavar="COMMAND")
+    export = one.add_parser("export", help="write a PEFT adapter directory (or a merged model with --merged)")
+    export.add_argument("path", help="bios://<run>/sampler_weights/<name> or .../weights/<name>")
+    export.add_argument("out_dir")
+    export.add_argument("--merged", action="store_true", help="a full model with the adapter merged in")
+    _connection_args(export)
+    export.set_defaults(func=run_checkpoint_export)
+
+
+def _connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=os.environ.get("BIOS_ADDRESS", "tcp://127.0.0.1:7600"))
+    parser.add_argument("--api-key", default=os.environ.get("BIOS_API_KEY"))
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -58,4 +85,33 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"{'worker':<28} {'state':<8} {'device':<8} {'pid':>7}  host  heartbeat")
     for w in status.workers:
         print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
+    return 0
+
+
+def run_runs_list(args: argparse.Namespace) -> int:
+    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+        page = client.create_rest_client().list_training_runs(limit=args.limit).result()
+    print(f"{'run':<36} {'base model':<36} {'rank':>4}  {'last request':<19}  last checkpoint")
+    for run in page.training_runs:
+        last = run.last_checkpoint.bios_path if run.last_checkpoint else "-"
+        print(f"{run.training_run_id:<36} {run.base_model:<36} {run.lora_rank or '-':>4}  "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.last_request_time))}  {last}")
+    print(f"({len(page.training_runs)} of {page.cursor.total_count})")
+    return 0
+
+
+def run_checkpoints_list(args: argparse.Namespace) -> int:
+    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+        listing = client.create_rest_client().list_checkpoints(args.run_id).result()
+    print(f"{'path':<70} {'type':<8} {'size':>10}  created")
+    for ckpt in listing.checkpoints:
+        print(f"{ckpt.bios_path:<70} {ckpt.checkpoint_type:<8} {ckpt.size_bytes or 0:>10}  "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ckpt.time))}")
+    return 0
+
+
+def run_checkpoint_export(args: argparse.Namespace) -> int:
+    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+        out = client.create_rest_client().export_checkpoint(args.path, args.out_dir, merged=args.merged)
+    print(f"wrote {'a merged model' if args.merged else 'a PEFT adapter'} to {out}")
     return 0

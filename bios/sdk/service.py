@@ -16,6 +16,8 @@ from bios import types as t
 from .connection import Connection
 from .futures import APIFuture
 from .local_cluster import LocalCluster
+from .rest import RestClient
+from .sampling import SamplingClient
 from .training import TrainingClient
 
 DEFAULT_BASE_MODEL = "bios/tiny-llama"
@@ -51,6 +53,7 @@ class ServiceClient:
                 self._cluster.stop()
             raise
         self._model_seq = itertools.count(0)
+        self._sampler_seq = itertools.count(0)
         self._model_seq_lock = threading.Lock()
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -74,7 +77,7 @@ class ServiceClient:
     ) -> TrainingClient:
         """Create a LoRA run on `base_model`; blocks until its adapter exists on the workers."""
         future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn))
-        return TrainingClient(self._conn, future.result(timeout), base_model)
+        return self._training_client(future.result(timeout))
 
     async def create_lora_training_client_async(
         self,
@@ -88,15 +91,55 @@ class ServiceClient:
         timeout: float | None = None,
     ) -> TrainingClient:
         future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn))
-        return TrainingClient(self._conn, await future.result_async(timeout), base_model)
+        return self._training_client(await future.result_async(timeout))
 
-    def _create(self, base_model: str, lora: t.LoraConfig) -> APIFuture[m.ModelCreated]:
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """A new run starting from a checkpoint's adapter weights, with a fresh optimizer."""
+        return self._training_client(self._create("", t.LoraConfig(), from_path=path).result())
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+        """A new run that continues a `save_state` checkpoint exactly: weights and Adam state."""
+        return self._training_client(self._create("", t.LoraConfig(), from_path=path, with_optimizer=True).result())
+
+    async def create_training_client_from_state_async(self, path: str) -> TrainingClient:
+        return self._training_client(await self._create("", t.LoraConfig(), from_path=path))
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> TrainingClient:
+        return self._training_client(await self._create("", t.LoraConfig(), from_path=path, with_optimizer=True))
+
+    def _create(self, base_model: str, lora: t.LoraConfig, *, from_path: str | None = None,
+                with_optimizer: bool = False) -> APIFuture[m.ModelCreated]:
         with self._model_seq_lock:
             model_seq_id = next(self._model_seq)
-            op = m.CreateModel(self.session_id, model_seq_id, base_model, lora)
+            op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer)
             request_id = f"{self.session_id}:train:{model_seq_id}#0"
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
+
+    def _training_client(self, created: m.ModelCreated) -> TrainingClient:
+        return TrainingClient(self._conn, created, created.info.name, self._sampling_client_for_path)
+
+    # ------------------------------------------------------------------------------------ sampling, history
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        """Sample from a sampler checkpoint (`model_path`) or from a base model alone."""
+        return SamplingClient(self._conn, self._conn.query(self._sampling_session(model_path, base_model)))
+
+    async def create_sampling_client_async(self, model_path: str | None = None,
+                                           base_model: str | None = None) -> SamplingClient:
+        session = await self._conn.query_async(self._sampling_session(model_path, base_model))
+        return SamplingClient(self._conn, session)
+
+    def _sampling_session(self, model_path: str | None, base_model: str | None) -> m.CreateSamplingSession:
+        with self._model_seq_lock:
+            seq = next(self._sampler_seq)
+        return m.CreateSamplingSession(self.session_id, seq, base_model, model_path)
+
+    def _sampling_client_for_path(self, path: str) -> SamplingClient:
+        return self.create_sampling_client(model_path=path)
+
+    def create_rest_client(self) -> RestClient:
+        return RestClient(self._conn)
 
     # ------------------------------------------------------------------------------------ cluster info
 

@@ -6,10 +6,11 @@ a run's requests strictly in that order, however they travel.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from bios import messages as m
@@ -19,11 +20,24 @@ from .futures import APIFuture
 
 if TYPE_CHECKING:
     from .connection import Connection
+    from .sampling import SamplingClient
+
+CustomLoss = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
+_CUSTOM_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="bios-custom-loss")
+
+
+def _targets_only(datum: t.Datum) -> t.Datum:
+    """What the forward pass of a custom loss needs: the tokens, the targets, and (zero) weights."""
+    targets = datum.loss_fn_inputs["target_tokens"]
+    weights = t.TensorData([0.0] * len(targets), "float32")
+    return t.Datum(datum.model_input, {"target_tokens": targets, "weights": weights})
 
 
 class TrainingClient:
-    def __init__(self, connection: Connection, created: m.ModelCreated, base_model: str) -> None:
+    def __init__(self, connection: Connection, created: m.ModelCreated, base_model: str,
+                 sampler_factory: Callable[[str], SamplingClient]) -> None:
         self._conn = connection
+        self._sampler_factory = sampler_factory
         self.model_id = created.model_id
         self.base_model = base_model
         self._created = created
@@ -83,6 +97,112 @@ class TrainingClient:
 
     async def optim_step_async(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         return await self._accepted(self.optim_step(adam_params))
+
+    def forward_backward_custom(
+        self, data: Sequence[t.Datum], loss_fn: CustomLoss
+    ) -> APIFuture[t.ForwardBackwardOutput]:
+        """Train on any differentiable function of the per-token logprobs, computed here on the client.
+
+        `loss_fn(data, logprobs) -> (loss, metrics)` gets one torch tensor of logprobs per datum. Bios runs a
+        forward pass, evaluates `loss_fn` and its gradient here, then a cross-entropy backward whose weights are
+        -dloss/dlogprobs, which gives the gradient of `loss`. Metrics: the custom `loss:sum`, the server's
+        surrogate as `surrogate_loss:sum`, and the user's own.
+        """
+        batch = list(data)
+        stripped = [_targets_only(d) for d in batch]
+        with self._seq_lock:
+            first = next(self._seq)
+            second = next(self._seq)
+            fwd_op = m.ForwardBackward(self.model_id, first, stripped, "cross_entropy", None, True)
+            accepted, forward = self._conn.submit(fwd_op, f"{self.model_id}#{first}")
+        result: concurrent.futures.Future[t.ForwardBackwardOutput] = concurrent.futures.Future()
+        forward.add_done_callback(lambda f: _CUSTOM_POOL.submit(self._custom_backward, f, batch, stripped,
+                                                                loss_fn, second, result))
+        return APIFuture(result, accepted, f"{self.model_id}#{second}")
+
+    def _custom_backward(self, forward: concurrent.futures.Future[t.ForwardBackwardOutput], batch: list[t.Datum],
+                         stripped: list[t.Datum], loss_fn: CustomLoss, seq_id: int,
+                         result: concurrent.futures.Future[t.ForwardBackwardOutput]) -> None:
+        request_id = f"{self.model_id}#{seq_id}"
+        try:
+            import torch
+
+            logprobs = [r["logprobs"].to_torch().clone().requires_grad_(True)
+                        for r in forward.result().loss_fn_outputs]
+            loss, metrics = loss_fn(batch, logprobs)
+            loss.backward()
+            weighted = [
+                t.Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                        "weights": t.TensorData.from_torch(-lp.grad if lp.grad is not None
+                                                                           else torch.zeros_like(lp))})
+                for d, lp in zip(stripped, logprobs, strict=True)
+            ]
+            op = m.ForwardBackward(self.model_id, seq_id, weighted, "cross_entropy", None, False)
+        except BaseException as exc:
+            # Keep the run's order moving: the reserved seq_id still runs, as a no-op forward.
+            self._conn.submit(m.ForwardBackward(self.model_id, seq_id, stripped[:1], "cross_entropy", None, True),
+                              request_id)
+            result.set_exception(exc)
+            return
+        _, backward = self._conn.submit(op, request_id)
+        try:
+            out = backward.result()
+        except BaseException as exc:
+            result.set_exception(exc)
+            return
+        combined = {k: float(v) for k, v in (metrics or {}).items()}
+        combined["surrogate_loss:sum"] = out.metrics["loss:sum"]
+        combined["loss:sum"] = float(loss.detach())
+        if "grad_norm:max" in out.metrics:
+            combined["grad_norm:max"] = out.metrics["grad_norm:max"]
+        result.set_result(t.ForwardBackwardOutput(out.loss_fn_output_type, forward.result().loss_fn_outputs,
+                                                  combined))
+
+    async def forward_backward_custom_async(
+        self, data: Sequence[t.Datum], loss_fn: CustomLoss
+    ) -> APIFuture[t.ForwardBackwardOutput]:
+        return await self._accepted(self.forward_backward_custom(data, loss_fn))
+
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    def save_state(self, name: str | None = None, *, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
+        """Adapter and optimizer state at `bios://<run>/weights/<name>`; resumable exactly."""
+        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "weights", overwrite))
+
+    async def save_state_async(self, name: str | None = None, *, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
+        return await self._accepted(self.save_state(name, overwrite=overwrite))
+
+    def save_weights_for_sampler(self, name: str | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        """The adapter alone at `bios://<run>/sampler_weights/<name>`, for SamplingClients and export."""
+        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "sampler_weights"))
+
+    async def save_weights_for_sampler_async(self, name: str | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        return await self._accepted(self.save_weights_for_sampler(name))
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """Snapshot the current adapter and return a SamplingClient on it."""
+        return self._sampler_factory(self.save_weights_for_sampler(name).result().path)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        saved = await self.save_weights_for_sampler(name)
+        return self._sampler_factory(saved.path)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        return self._sampler_factory(model_path)
+
+    def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        """Load a checkpoint's adapter weights; the optimizer starts afresh (Adam moments zero, step 0)."""
+        return self._request(lambda seq: m.LoadWeights(self.model_id, seq, path, optimizer=False))
+
+    async def load_state_async(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        return await self._accepted(self.load_state(path))
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        """Load adapter and optimizer state: training continues exactly as if never interrupted."""
+        return self._request(lambda seq: m.LoadWeights(self.model_id, seq, path, optimizer=True))
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
+        return await self._accepted(self.load_state_with_optimizer(path))
 
     # ------------------------------------------------------------------------------------ info
 

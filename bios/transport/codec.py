@@ -142,7 +142,7 @@ class Codec:
     def _encode_value(self, obj: Any, frames: list[Any]) -> Any:
         if isinstance(obj, np.ndarray):
             return _array_ext(_EXT_NUMPY, obj, frames)
-        if type(obj).__module__ == "torch" and type(obj).__name__ in ("Tensor", "Parameter"):
+        if any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(obj).__mro__):  # Parameter too
             return _tensor_ext(obj, frames)
         if isinstance(obj, np.generic):
             return obj.item()

@@ -12,12 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from bios import messages as m
+from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.exceptions import BadRequestError
-from bios.validation import validate_adam_params, validate_forward_backward
+from bios.validation import validate_adam_params, validate_forward_backward, validate_sample
 
 from . import engine
+from .checkpoint import export_state, load_into
 from .pool import Adapter, ModelPool
+from .sampling import SampleItem, generate
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +34,14 @@ class CycleExecutor:
     def run(self, cycle: m.RunCycle, report: Report) -> None:
         creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
-        closing = [i for i in cycle.items if i not in creates and i not in forwards]
+        samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
+        closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
         for item in creates:
-            op = item.op
-            model_id = f"{op.session_id}:train:{op.model_seq_id}"
-            report(_attempt(cycle.cycle_id, item, lambda op=op, mid=model_id: self.pool.create(mid, op.base_model, op.lora)))
+            report(_attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op)))
         self._forward_phase(cycle.cycle_id, forwards, report)
         for item in closing:
             report(_attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op)))
+        self._sample_phase(cycle.cycle_id, samples, report)
 
     def _forward_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> None:
         """Validate each item, then run every valid one of a base model in one batched call."""
@@ -83,7 +86,48 @@ class CycleExecutor:
         if isinstance(op, m.OptimStep):
             validate_adam_params(op.adam_params)
             return engine.optim_step(self.pool.adapter(op.model_id).state, op.adam_params)
+        if isinstance(op, m.SaveWeights):
+            adapter = self.pool.adapter(op.model_id)
+            saved = export_state(adapter.state, base_model=adapter.base_model, base_info=adapter.base.info,
+                                 with_optimizer=op.kind == "weights")
+            if op.kind == "sampler_weights":
+                self.pool.add_sampler(op.path, adapter.base_model, saved)
+            return m.SavedState(saved)
+        if isinstance(op, m.LoadWeights):
+            if op.state is None:
+                raise BadRequestError(f"no checkpoint data came with the load of {op.path}", field="path")
+            load_into(self.pool.adapter(op.model_id).state, op.state, with_optimizer=op.optimizer)
+            return t.LoadWeightsResponse(path=op.path, model_id=op.model_id)
         raise BadRequestError(f"workers do not run {type(op).__name__}", field="kind")
+
+    def _sample_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> None:
+        """All samples of one base model in one batch, rows of different adapters together."""
+        by_base: dict[str, list[tuple[m.WorkItem, SampleItem]]] = {}
+        for item in items:
+            op: m.Sample = item.op
+            try:
+                if op.adapter_state is not None and op.adapter_path is not None:
+                    self.pool.add_sampler(op.adapter_path, op.base_model, op.adapter_state)
+                adapter = self.pool.sampler(op.adapter_path).state if op.adapter_path is not None else None
+                base = self.pool.base(op.base_model)
+                validate_sample(op.prompt, op.num_samples, op.sampling_params, base.info)
+            except Exception as exc:
+                report(_failed(cycle_id, item, exc))
+                continue
+            sample_item = SampleItem(adapter, op.prompt.to_ints(), op.num_samples, op.sampling_params,
+                                     op.prompt_logprobs)
+            by_base.setdefault(op.base_model, []).append((item, sample_item))
+        for base_model, group in by_base.items():
+            base = self.pool.base(base_model)
+            try:
+                responses = generate(base.model, base.tokenizer, [s for _, s in group],
+                                     eos_token_id=base.info.eos_token_id)
+            except Exception as exc:
+                for item, _ in group:
+                    report(_failed(cycle_id, item, exc))
+                continue
+            for (item, _), response in zip(group, responses, strict=True):
+                report(m.ItemDone(cycle_id, item.request_id, result=response))
 
 
 def _forward_item(item: m.WorkItem, adapter: Adapter) -> engine.ForwardItem:

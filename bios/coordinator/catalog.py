@@ -1,0 +1,95 @@
+"""Checkpoints as users see them: saved, listed, loaded and deleted by path, visible only to their owner.
+
+The SQLite index (`Store`) says what exists and whose it is; the `CheckpointStore` holds the tensors. Anything
+that is not the caller's is reported as not found, so existence does not leak across keys.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bios import types as t
+from bios.checkpoint_path import CheckpointPath
+from bios.exceptions import ConflictError, NotFoundError
+from bios.messages import CheckpointState
+
+from .checkpoints import CheckpointStore
+from .store import Store, StoredCheckpoint, StoredRun
+
+_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+
+
+class Catalog:
+    def __init__(self, store: Store, files: CheckpointStore) -> None:
+        self.store = store
+        self.files = files
+
+    def check_free(self, path: CheckpointPath, *, overwrite: bool) -> None:
+        if not overwrite and self.store.get_checkpoint(str(path)) is not None:
+            raise ConflictError(f"checkpoint {path} already exists; pick another name or pass overwrite=True",
+                                field="name")
+
+    def save(self, path: CheckpointPath, state: CheckpointState, *, owner: str, automatic: bool) -> StoredCheckpoint:
+        size = self.files.put(path, state)
+        record = StoredCheckpoint(
+            path=str(path), run_id=path.run_id, kind=path.kind, name=path.name, owner=owner, created=time.time(),
+            size_bytes=size, step=int(state.metadata.get("step", 0)), automatic=automatic,
+        )
+        self.store.add_checkpoint(record)
+        return record
+
+    def find(self, path: str, owner: str | None, *, field: str = "path") -> StoredCheckpoint:
+        parsed = CheckpointPath.parse(path, field=field)
+        record = self.store.get_checkpoint(str(parsed))
+        if record is None or (owner is not None and record.owner != owner):
+            raise NotFoundError(f"no checkpoint at {parsed}; list yours with RestClient.list_checkpoints", field=field)
+        return record
+
+    def load(self, path: str, owner: str | None, *, field: str = "path") -> CheckpointState:
+        record = self.find(path, owner, field=field)
+        return self.files.get(CheckpointPath.parse(record.path))
+
+    def delete(self, path: str, owner: str | None) -> None:
+        record = self.find(path, owner)
+        self.store.delete_checkpoint(record.path)
+        self.files.delete(CheckpointPath.parse(record.path))
+
+    def prune_automatic(self, run_id: str, keep: int) -> None:
+        automatic = [c for c in self.store.list_checkpoints(run_id) if c.automatic]
+        for record in automatic[: max(0, len(automatic) - keep)]:
+            self.store.delete_checkpoint(record.path)
+            self.files.delete(CheckpointPath.parse(record.path))
+
+    def latest_automatic(self, run_id: str) -> StoredCheckpoint | None:
+        automatic = [c for c in self.store.list_checkpoints(run_id) if c.automatic]
+        return automatic[-1] if automatic else None
+
+    # ------------------------------------------------------------------------------------ listings
+
+    def checkpoints(self, run_id: str) -> list[t.Checkpoint]:
+        return [as_checkpoint(c) for c in self.store.list_checkpoints(run_id)]
+
+    def training_run(self, run: StoredRun) -> t.TrainingRun:
+        checkpoints = self.store.list_checkpoints(run.model_id)
+        training = [c for c in checkpoints if c.kind == "weights"]
+        sampler = [c for c in checkpoints if c.kind == "sampler_weights"]
+        return t.TrainingRun(
+            training_run_id=run.model_id,
+            base_model=run.base_model,
+            model_owner=run.owner,
+            is_lora=True,
+            lora_rank=int(run.lora_config.get("rank", 0)) or None,  # type: ignore[arg-type]
+            last_request_time=run.last_request_time,
+            last_checkpoint=as_checkpoint(training[-1]) if training else None,
+            last_sampler_checkpoint=as_checkpoint(sampler[-1]) if sampler else None,
+        )
+
+
+def as_checkpoint(record: StoredCheckpoint) -> t.Checkpoint:
+    return t.Checkpoint(
+        checkpoint_id=f"{record.kind}/{record.name}",
+        checkpoint_type=_TYPES[record.kind],  # type: ignore[arg-type]
+        time=record.created,
+        bios_path=record.path,
+        size_bytes=record.size_bytes,
+    )

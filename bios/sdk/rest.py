@@ -1,0 +1,79 @@
+"""`RestClient`: run history and checkpoints. Methods return `APIFuture`s, as in the Tinker SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bios import messages as m
+from bios import types as t
+
+from .futures import APIFuture
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+
+class RestClient:
+    def __init__(self, connection: Connection) -> None:
+        self._conn = connection
+
+    def _query(self, body: Any) -> APIFuture[Any]:
+        return APIFuture(self._conn.spawn(self._conn.ask(body, 60.0)))
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[t.TrainingRunsResponse]:
+        return self._query(m.ListTrainingRuns(limit, offset))
+
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0) -> t.TrainingRunsResponse:
+        return await self.list_training_runs(limit, offset)
+
+    def list_training_run_ids(self) -> APIFuture[list[str]]:
+        """Every run id of this key, oldest first."""
+        return APIFuture(self._conn.spawn(self._all_run_ids()))
+
+    async def list_training_run_ids_async(self) -> list[str]:
+        return await self.list_training_run_ids()
+
+    async def _all_run_ids(self) -> list[str]:
+        ids: list[str] = []
+        while True:
+            page = await self._conn.ask(m.ListTrainingRuns(limit=100, offset=len(ids)), 60.0)
+            ids.extend(run.training_run_id for run in page.training_runs)
+            if not page.training_runs or len(ids) >= page.cursor.total_count:
+                return ids
+
+    def get_training_run(self, training_run_id: str) -> APIFuture[t.TrainingRun]:
+        return self._query(m.GetTrainingRun(training_run_id))
+
+    async def get_training_run_async(self, training_run_id: str) -> t.TrainingRun:
+        return await self.get_training_run(training_run_id)
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[t.CheckpointsListResponse]:
+        return self._query(m.ListCheckpoints(training_run_id))
+
+    async def list_checkpoints_async(self, training_run_id: str) -> t.CheckpointsListResponse:
+        return await self.list_checkpoints(training_run_id)
+
+    def delete_checkpoint(self, path: str) -> APIFuture[Any]:
+        return self._query(m.DeleteCheckpoint(path))
+
+    async def delete_checkpoint_async(self, path: str) -> None:
+        await self.delete_checkpoint(path)
+
+    def download_checkpoint(self, path: str) -> APIFuture[m.CheckpointState]:
+        """The checkpoint's tensors (PEFT key names) and metadata."""
+        return self._query(m.FetchCheckpoint(path))
+
+    async def download_checkpoint_async(self, path: str) -> m.CheckpointState:
+        return await self.download_checkpoint(path)
+
+    def export_checkpoint(self, path: str, out_dir: str | Path, *, merged: bool = False) -> Path:
+        """Write a standard PEFT adapter directory (or, `merged=True`, a full model with the adapter merged in)."""
+        from bios.export import write_merged_model, write_peft_adapter
+        from bios.models import resolve_model_dir
+
+        state = self.download_checkpoint(path).result()
+        base_model = str(state.metadata["base_model"])
+        if merged:
+            return write_merged_model(state, Path(out_dir), base_model=base_model)
+        return write_peft_adapter(state, Path(out_dir), base_model_dir=str(resolve_model_dir(base_model)))
