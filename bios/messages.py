@@ -289,6 +289,8 @@ class RegisterWorker:
     memory_bytes: int
     token: str | None = None
     models: list[str] = field(default_factory=list)
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -309,8 +311,43 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class RunCycle:
+    """One cycle's work. Every member gets the same training items (each takes its own data shard and runs
+    the replicated ops); sample items are dealt out, so each member gets its own."""
+
     cycle_id: int
+    generation: int
     items: list[WorkItem]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    model_id: str
+    base_model: str
+    lora: t.LoraConfig
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """Form generation `generation`: rebuild the collective group, then take every adapter's state from rank 0
+    by broadcast (newcomers create the adapters first). Adapters in `restore` come from a checkpoint instead:
+    the pool that held them is gone."""
+
+    generation: int
+    rank: int
+    world: int
+    master_host: str
+    master_port: int
+    timeout_s: float
+    adapters: list[AdapterSpec]
+    restore: dict[str, CheckpointState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reconfigured:
+    generation: int
+    worker_id: str
+    checksums: dict[str, float]
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -323,8 +360,13 @@ class ItemDone:
 
 @dataclass(frozen=True)
 class CycleDone:
+    """A member finished its part of a cycle. `aborted`: a collective failed, nothing uncommitted was kept."""
+
     cycle_id: int
     worker_id: str
+    aborted: bool = False
+    reason: str = ""
+    checksums: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -335,6 +377,14 @@ class DiscoverWorkerEndpoint:
 @dataclass(frozen=True)
 class WorkerEndpoint:
     port: int
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """A worker asks to leave gracefully: it finishes its current cycle and exits when told (`Shutdown`)."""
+
+    worker_id: str
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -114,28 +114,35 @@ class ActorRef:
         await asyncio.shield(self._task)
 
     async def _run(self) -> None:
-        await self._actor.started()
-        while True:
-            message, future = await self._mailbox.get()
-            if message is _STOP:
-                break
-            try:
-                result = await self._actor.receive(message)
-            except asyncio.CancelledError:
-                if future is not None and not future.done():
-                    future.cancel()
-                raise
-            except Exception as exc:
-                if future is not None and not future.done():
-                    future.set_exception(exc)
-                if not await self._handle_failure(exc, message):
+        try:
+            await self._actor.started()
+            while True:
+                message, future = await self._mailbox.get()
+                if message is _STOP:
                     break
-            else:
-                if future is not None and not future.done():
-                    future.set_result(result)
-        self._stopped = True
-        await self._actor.stopped()
-        self._fail_pending()
+                try:
+                    result = await self._actor.receive(message)
+                except asyncio.CancelledError:
+                    if future is not None and not future.done():
+                        future.cancel()
+                    raise
+                except Exception as exc:
+                    if future is not None and not future.done():
+                        future.set_exception(exc)
+                    if not await self._handle_failure(exc, message):
+                        break
+                else:
+                    if future is not None and not future.done():
+                        future.set_result(result)
+            self._stopped = True
+            await self._actor.stopped()
+        except Exception as exc:  # started()/stopped() failed, e.g. on a restart: the actor cannot go on
+            log.error("actor %s stopped: its lifecycle failed: %r", self.name, exc, exc_info=exc)
+            if self._on_failure is not None:
+                self._on_failure(Failure(self.name, exc, Policy.STOP))
+        finally:  # however the loop ends, nobody may be left waiting on this mailbox
+            self._stopped = True
+            self._fail_pending()
 
     async def _handle_failure(self, exc: Exception, message: Any) -> bool:
         """Apply the policy; returns whether to keep running."""

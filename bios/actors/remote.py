@@ -81,7 +81,11 @@ class RemoteRef:
 
     async def ask(self, body: Any, timeout: float | None = None) -> Any:
         future, send = self.ask_future(body)
-        await send
+        try:
+            await send
+        except BaseException:
+            future.cancel()  # e.g. a body the codec cannot encode: drop the reply slot with it
+            raise
         if timeout is None:
             return await future
         async with asyncio.timeout(timeout):  # cheaper than wait_for: no extra task per call
@@ -163,5 +167,8 @@ async def _reply(router: Router, peer: bytes, env: Envelope, *, result: Any = No
         log.error("handler for %s failed", type(env.body).__name__, exc_info=error)
     try:
         await router.send(peer, Envelope(next_message_id(), body, env.id))
-    except Exception:
-        log.exception("could not reply to %s", peer.hex())
+    except Exception as exc:
+        if error is None and isinstance(exc, TypeError):  # a result the codec cannot encode: still answer
+            await _reply(router, peer, env, error=exc)
+        else:
+            log.exception("could not reply to %s", peer.hex())

@@ -1,7 +1,12 @@
-"""Runs cycles: at each tick, take the scheduler's selected work to the workers and wait until it is done.
+"""Runs cycles on the current generation of workers, forming a new generation whenever membership changes.
 
-A cycle belongs to one generation of workers. If a member dies while the cycle runs, the cycle is aborted:
-its unfinished items go back to their queues (in order) and run again in the next cycle.
+Every live worker is a replica: it holds every adapter and takes a token-balanced shard of every batch, and
+their gradients are summed before each optimizer step. A new generation (a join, a leave, a death, a failed
+collective) is formed between cycles: ranks are assigned, rank 0 is a worker that already holds the current
+state, and every member takes each adapter's state from rank 0 by broadcast. If no member holds state (the
+whole pool was lost) runs restore from their latest automatic checkpoint.
+
+A cycle hit by a failure is aborted: unfinished items go back to their queues and run again on the survivors.
 """
 
 from __future__ import annotations
@@ -19,36 +24,60 @@ from bios.actors.actor import ActorRef
 
 from .clock import CycleClock
 from .membership import Member, Membership
-from .scheduler import CycleEnded, Finished, SelectWork
+from .scheduler import Adapters, CycleEnded, Finished, RunsLost, SelectWork
 
 log = logging.getLogger(__name__)
 
 SendToWorker = Callable[[bytes, Any], Awaitable[None]]
 LoadState = Callable[[str], m.CheckpointState]
+LatestCheckpoint = Callable[[str], str | None]
+Probe = Callable[[Member], Awaitable[bool]]
+
+RECONFIGURE_TIMEOUT_S = 180.0  # newcomers may have to load base models first
 
 
 @dataclass
 class _Cycle:
     cycle_id: int
-    generation: int
     workers: set[str]
     expected: set[str]
     ops: dict[str, Any]
+    waiting: set[str]
     finished: set[str] = field(default_factory=set)
-    waiting: set[str] = field(default_factory=set)
+    checksums: dict[str, dict[str, float]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
+    collective_failed: bool = False
+
+
+@dataclass
+class _Forming:
+    generation: int
+    waiting: set[str]
+    failed: set[str] = field(default_factory=set)
+    checksums: dict[str, dict[str, float]] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class CycleRunner:
     def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
-                 load_state: LoadState) -> None:
+                 load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
+                 collective_timeout_s: float) -> None:
         self.scheduler = scheduler
-        self.load_state = load_state
         self.clock = clock
         self.membership = membership
         self.send = send
+        self.load_state = load_state
+        self.latest_checkpoint = latest_checkpoint
+        self.probe = probe
+        self.collective_timeout_s = collective_timeout_s
         self.current: _Cycle | None = None
+        self.forming: _Forming | None = None
+        self.generation = -1
+        self.ranked: list[Member] = []
+        self.holders: set[str] = set()
+        self._join_failures: dict[str, int] = {}
+        self._leaving: list[Member] = []
         self._next_id = 0
 
     async def run_forever(self) -> None:
@@ -58,50 +87,77 @@ class CycleRunner:
             if items:
                 await self._run_cycle(items)
 
+    # ------------------------------------------------------------------------------------ cycles
+
     async def _run_cycle(self, items: list[m.WorkItem]) -> None:
-        members = await self.membership.wait_for_alive()
+        members = await self._current_generation()
         self._next_id += 1
-        worker = members[0]  # registration order: until data parallelism, the first member holds every adapter
+        training = [i for i in items if not isinstance(i.op, m.Sample)]
+        dealt: dict[str, list[m.WorkItem]] = {mb.worker_id: [] for mb in members}
+        for n, item in enumerate(i for i in items if isinstance(i.op, m.Sample)):
+            dealt[members[n % len(members)].worker_id].append(item)
         cycle = _Cycle(
             cycle_id=self._next_id,
-            generation=self.membership.generation,
-            workers={worker.worker_id},
+            workers={mb.worker_id for mb in members},
             expected={item.request_id for item in items},
             ops={item.request_id: item.op for item in items},
-            waiting={worker.worker_id},
+            waiting={mb.worker_id for mb in members},
         )
         self.current = cycle
         started = time.monotonic()
-        await self.send(worker.peer, m.RunCycle(cycle.cycle_id, self._with_sampler_weights(worker, items)))
+        for member in members:
+            work = training + self._with_sampler_weights(member, dealt[member.worker_id])
+            await self.send(member.peer, m.RunCycle(cycle.cycle_id, self.generation, work))
         await cycle.done.wait()
         self.current = None
+        await self._release_leavers()
         self.clock.cycle_ran(time.monotonic() - started)
+        self._check_replicas(cycle)
         self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted))
         if cycle.aborted:
-            log.warning(
-                "cycle %d aborted: %d of %d items will run again",
-                cycle.cycle_id, len(cycle.expected - cycle.finished), len(cycle.expected),
-            )
+            log.warning("cycle %d aborted: %d of %d items will run again", cycle.cycle_id,
+                        len(cycle.expected - cycle.finished), len(cycle.expected))
+            if cycle.collective_failed:
+                self.membership.bump("a collective failed; the group is rebuilt")
             self.clock.work_queued()
+
+    def leaving(self, member: Member) -> None:
+        """A graceful leave: the member finishes the cycle it is in, then is told to exit."""
+        self._leaving.append(member)
+        if self.current is None or member.worker_id not in self.current.workers:
+            asyncio.ensure_future(self._release_leavers())
+
+    async def _release_leavers(self) -> None:
+        leaving, self._leaving = self._leaving, []
+        for member in leaving:
+            await self.send(member.peer, m.Shutdown("left the cluster"))
+            self.membership.mark_dead(member.worker_id, "left")
 
     def _with_sampler_weights(self, worker: Member, items: list[m.WorkItem]) -> list[m.WorkItem]:
         """Attach a sampler checkpoint's tensors to the first sample that needs them on this worker."""
-        held = set(worker.sampler_paths)
-        held.update(i.op.path for i in items if isinstance(i.op, m.SaveWeights) and i.op.kind == "sampler_weights")
         out = []
         for item in items:
             op = item.op
-            if isinstance(op, m.Sample) and op.adapter_path is not None and op.adapter_path not in held:
+            if op.adapter_path is not None and op.adapter_path not in worker.sampler_paths:
                 try:
                     state = self.load_state(op.adapter_path)
                 except Exception as exc:
                     log.warning("sampler weights %s could not be loaded: %s", op.adapter_path, exc)
                 else:
                     item = m.WorkItem(item.request_id, dataclasses.replace(op, adapter_state=state))
-                    held.add(op.adapter_path)
                     worker.sampler_paths.add(op.adapter_path)
             out.append(item)
         return out
+
+    def _check_replicas(self, cycle: _Cycle) -> None:
+        """Replicas must agree bit for bit; if not, say so loudly and re-broadcast rank 0's state."""
+        reports = list(cycle.checksums.values())
+        for model_id in set().union(*reports) if reports else ():
+            values = {r[model_id] for r in reports if model_id in r}
+            if len(values) > 1:
+                log.error("replicas of %s diverged after cycle %d (checksums %s); re-broadcasting from rank 0",
+                          model_id, cycle.cycle_id, sorted(values))
+                self.membership.bump(f"repair diverged replicas of {model_id}")
 
     def item_done(self, worker_id: str, done: m.ItemDone) -> None:
         cycle = self.current
@@ -111,22 +167,125 @@ class CycleRunner:
         if done.request_id in cycle.expected and done.request_id not in cycle.finished:
             cycle.finished.add(done.request_id)
             op = cycle.ops.get(done.request_id)
-            member = self.membership.members.get(worker_id)
-            if isinstance(op, m.SaveWeights) and op.kind == "sampler_weights" and done.error is None and member:
-                member.sampler_paths.add(op.path)
+            if isinstance(op, m.SaveWeights) and op.kind == "sampler_weights" and done.error is None:
+                for member in self.ranked:
+                    member.sampler_paths.add(op.path)
             self.scheduler.tell(Finished(done))
 
-    def worker_done(self, worker_id: str, cycle_id: int) -> None:
+    def worker_done(self, worker_id: str, done: m.CycleDone) -> None:
         cycle = self.current
-        if cycle is None or cycle.cycle_id != cycle_id:
+        if cycle is None or cycle.cycle_id != done.cycle_id or worker_id not in cycle.waiting:
             return
         cycle.waiting.discard(worker_id)
-        if not cycle.waiting:
-            cycle.aborted = cycle.finished != cycle.expected
-            cycle.done.set()
+        cycle.checksums[worker_id] = done.checksums
+        if done.aborted:
+            cycle.aborted = cycle.collective_failed = True
+            asyncio.ensure_future(self._probe_others(cycle))
+        self._maybe_done(cycle)
 
     def worker_lost(self, member: Member) -> None:
-        cycle = self.current
-        if cycle is not None and member.worker_id in cycle.workers:
-            cycle.aborted = True
+        for state in (self.current, self.forming):
+            if state is not None and member.worker_id in state.waiting:
+                state.waiting.discard(member.worker_id)
+                if isinstance(state, _Cycle):
+                    state.aborted = True
+                    self._maybe_done(state)
+                else:
+                    state.failed.add(member.worker_id)
+                    if not state.waiting:
+                        state.done.set()
+
+    def _maybe_done(self, cycle: _Cycle) -> None:
+        if not cycle.waiting:
+            cycle.aborted = cycle.aborted or cycle.finished != cycle.expected
             cycle.done.set()
+
+    async def _probe_others(self, cycle: _Cycle) -> None:
+        """A failed collective means a peer is likely dead: find out now rather than at the heartbeat timeout."""
+        for worker_id in list(cycle.waiting):
+            member = self.membership.members.get(worker_id)
+            if member is not None and not await self.probe(member):
+                self.membership.mark_dead(worker_id, "did not answer after a failed collective")
+                self.worker_lost(member)
+
+    # ------------------------------------------------------------------------------------ generations
+
+    async def _current_generation(self) -> list[Member]:
+        """Every membership change bumps the generation, so an unchanged number means unchanged members."""
+        while True:
+            members = await self.membership.wait_for_alive()
+            if self.generation == self.membership.generation:
+                return self.ranked
+            if await self._form(members):
+                return self.ranked
+
+    async def _form(self, members: list[Member]) -> bool:
+        generation = self.membership.generation
+        holders = [mb for mb in members if mb.worker_id in self.holders]
+        ranked = holders + [mb for mb in members if mb.worker_id not in self.holders]
+        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters())
+        restore: dict[str, m.CheckpointState] = {}
+        if adapters and not holders:
+            adapters, restore = self._restore_from_checkpoints(adapters)
+        master = ranked[0]
+        forming = _Forming(generation, {mb.worker_id for mb in ranked})
+        self.forming = forming
+        for rank, member in enumerate(ranked):
+            if member.worker_id not in self.holders:
+                member.sampler_paths.clear()
+            await self.send(member.peer, m.Reconfigure(generation, rank, len(ranked), master.store_host,
+                                                       master.store_port, self.collective_timeout_s, adapters,
+                                                       restore))
+        try:
+            await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            forming.failed |= forming.waiting
+        self.forming = None
+        if forming.failed:
+            await self._after_failed_formation(generation, forming.failed)
+            return False
+        if generation != self.membership.generation:
+            return False  # membership changed meanwhile: form again
+        self.generation, self.ranked = generation, ranked
+        self.holders = {mb.worker_id for mb in ranked}
+        self._join_failures.clear()
+        log.info("generation %d formed: %s", generation, ", ".join(mb.worker_id for mb in ranked))
+        return True
+
+    async def _after_failed_formation(self, generation: int, failed: set[str]) -> None:
+        """Members that cannot be reached are dead; one that keeps failing to join is dropped; then retry."""
+        for worker_id in failed:
+            member = self.membership.members.get(worker_id)
+            if member is None or member.state == "dead":
+                continue
+            self._join_failures[worker_id] = self._join_failures.get(worker_id, 0) + 1
+            if not await self.probe(member) or self._join_failures[worker_id] >= 3:
+                self.membership.mark_dead(worker_id, f"could not join generation {generation}")
+        if self.membership.generation == generation:
+            self.membership.bump(f"generation {generation} could not form")
+
+    def _restore_from_checkpoints(self, adapters: list[m.AdapterSpec]) -> tuple[list[m.AdapterSpec], dict[str, m.CheckpointState]]:
+        kept, restore, lost = [], {}, []
+        for spec in adapters:
+            path = self.latest_checkpoint(spec.model_id)
+            if path is None:
+                lost.append(spec.model_id)
+                continue
+            restore[spec.model_id] = self.load_state(path)
+            kept.append(spec)
+            log.warning("the worker pool was lost: %s restores from %s", spec.model_id, path)
+        if lost:
+            self.scheduler.tell(RunsLost(tuple(lost)))
+        return kept, restore
+
+    def reconfigured(self, worker_id: str, done: m.Reconfigured) -> None:
+        forming = self.forming
+        if forming is None or done.generation != forming.generation or worker_id not in forming.waiting:
+            return
+        forming.waiting.discard(worker_id)
+        if done.error is not None:
+            log.error("worker %s could not join generation %d: %s", worker_id, done.generation, done.error)
+            forming.failed.add(worker_id)
+        forming.checksums[worker_id] = done.checksums
+        if not forming.waiting:
+            forming.done.set()

@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="automatic checkpoint of each run every N optimizer steps (0 = off)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="automatic checkpoints kept per run")
+    p.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
@@ -41,9 +43,17 @@ async def run(args: argparse.Namespace) -> None:
     )
     coordinator = Coordinator(config)
     addresses = await coordinator.start()
+    gateway = None
+    if args.http:
+        # The process entry point composes the layers: the gateway sits above the coordinator.
+        from bios.gateway.server import start_gateway
+
+        gateway = await start_gateway(coordinator, args.http)
     if args.ready_file is not None:
+        ready = {"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid(),
+                 "http": gateway.url if gateway is not None else None}
         tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid()}))
+        tmp.write_text(json.dumps(ready))
         tmp.replace(args.ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +63,8 @@ async def run(args: argparse.Namespace) -> None:
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     logging.getLogger(__name__).info("coordinator stopping")
+    if gateway is not None:
+        await gateway.stop()
     await coordinator.stop()
     if serving.done() and serving.exception() is not None:
         raise serving.exception()  # type: ignore[misc]

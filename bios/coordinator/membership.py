@@ -25,6 +25,8 @@ class Member:
     device: str
     memory_bytes: int
     models: list[str] = field(default_factory=list)
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "ready"  # ready | leaving | dead
     sampler_paths: set[str] = field(default_factory=set)  # sampler checkpoints this worker holds in memory
@@ -38,9 +40,10 @@ class Membership:
         self.changed = asyncio.Event()
 
     def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
-        member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models))
+        member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models),
+                        msg.store_host, msg.store_port)
         self.members[msg.worker_id] = member
-        self._bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
+        self.bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
         return member
 
     def heartbeat(self, worker_id: str, peer: bytes) -> bool:
@@ -50,11 +53,18 @@ class Membership:
         member.last_seen = time.monotonic()
         return True
 
+    def mark_leaving(self, worker_id: str, reason: str) -> Member | None:
+        member = self.members.get(worker_id)
+        if member is not None and member.state == "ready":
+            member.state = "leaving"
+            self.bump(f"worker {worker_id} is leaving: {reason}")
+        return member
+
     def mark_dead(self, worker_id: str, reason: str) -> None:
         member = self.members.get(worker_id)
         if member is not None and member.state != "dead":
             member.state = "dead"
-            self._bump(f"worker {worker_id} lost: {reason}")
+            self.bump(f"worker {worker_id} lost: {reason}")
 
     def expire(self) -> list[Member]:
         """Mark members whose heartbeats stopped as dead; returns them."""
@@ -82,7 +92,8 @@ class Membership:
             for mb in self.members.values()
         ]
 
-    def _bump(self, why: str) -> None:
+    def bump(self, why: str) -> None:
+        """Start a new generation (the cycle runner re-forms the group before the next cycle)."""
         self.generation += 1
         log.info("generation %d: %s", self.generation, why)
         self.changed.set()

@@ -77,6 +77,18 @@ class QueueDepth:
     pass
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """The adapters every worker of a generation must hold: one per ready run."""
+
+
+@dataclass(frozen=True)
+class RunsLost:
+    """These runs' state died with the worker pool and no checkpoint can bring it back."""
+
+    model_ids: tuple[str, ...]
+
+
 @dataclass
 class Sampler:
     owner: str
@@ -112,6 +124,10 @@ class Scheduler(Actor):
             return self._cycle_ended(message)
         if isinstance(message, Query):
             return self._query(message.owner, message.body)
+        if isinstance(message, Adapters):
+            return [m.AdapterSpec(r.model_id, r.base_model, r.lora) for r in self.runs.values() if r.status == "ready"]
+        if isinstance(message, RunsLost):
+            return await self._runs_lost(message.model_ids)
         if isinstance(message, QueueDepth):
             return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
         raise TypeError(f"scheduler got unexpected {type(message).__name__}")
@@ -327,6 +343,22 @@ class Scheduler(Actor):
         self.running = {}
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
+
+    async def _runs_lost(self, model_ids: tuple[str, ...]) -> None:
+        for model_id in model_ids:
+            run = self.runs.get(model_id)
+            if run is None:
+                continue
+            run.status = "failed"
+            self.store.set_run_status(model_id, "failed")
+            error = RemoteError("RequestFailedError",
+                                f"training run {model_id} was lost with every worker that held it and has no "
+                                "automatic checkpoint (start the coordinator with --checkpoint-every N); "
+                                "create a new run or load a saved state")
+            for queued in run.queue.values():
+                if not queued.rejected:
+                    await self._finished(m.ItemDone(0, queued.request_id, error=error))
+            run.queue.clear()
 
     def _encode_done(self, done: m.RequestDone) -> list[bytes]:
         return [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), done))]

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 LOCAL_OWNER = "local"
+PROBE_TIMEOUT_S = 1.0
 QUERY_TYPES = (
     m.GetInfo, m.CreateSamplingSession, m.GetSamplingSession, m.ListTrainingRuns, m.GetTrainingRun,
     m.ListCheckpoints, m.DeleteCheckpoint, m.FetchCheckpoint,
@@ -72,6 +74,7 @@ class Coordinator:
         self.membership = Membership(config.heartbeat_timeout_s)
         self.sessions: dict[bytes, str] = {}
         self._worker_asks: dict[int, asyncio.Future[Any]] = {}
+        self._local_clients: dict[bytes, Callable[[m.RequestDone], None]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._started = time.monotonic()
         self.scheduler: ActorRef
@@ -91,8 +94,13 @@ class Coordinator:
             name="scheduler",
             policy=Policy.RESUME,
         )
-        self.runner = CycleRunner(self.scheduler, self.clock, self.membership, self._send_to_worker,
-                                  lambda path: self.catalog.load(path, None))
+        self.runner = CycleRunner(
+            self.scheduler, self.clock, self.membership, self._send_to_worker,
+            load_state=lambda path: self.catalog.load(path, None),
+            latest_checkpoint=self._latest_checkpoint,
+            probe=self._probe,
+            collective_timeout_s=self.config.heartbeat_timeout_s,
+        )
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
@@ -193,7 +201,39 @@ class Coordinator:
         return t.GetServerCapabilitiesResponse([t.SupportedModel(model_name=name) for name in names])
 
     async def _push(self, peer: bytes, frames: list[Any]) -> None:
-        await self.clients.send_raw(peer, frames)
+        local = self._local_clients.get(peer)
+        if local is not None:
+            local(self.codec.decode(frames).body)
+        else:
+            await self.clients.send_raw(peer, frames)
+
+    # ------------------------------------------------------------------------------------ in-process clients
+
+    def attach_local_client(self, name: str, on_done: Callable[[m.RequestDone], None]) -> bytes:
+        """Register an in-process front end (the HTTP gateway); its results come to `on_done`."""
+        peer = f"local:{name}".encode()
+        self._local_clients[peer] = on_done
+        return peer
+
+    def open_session(self, owner: str = LOCAL_OWNER) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        self.store.add_session(session_id, owner)
+        return session_id
+
+    def submit(self, peer: bytes, op: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
+        """The native path for a request: validated, stored, ordered; resolves to `Accepted`."""
+        frames = [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), op))]
+        return self.scheduler.ask_future(Submit(peer, owner, op, frames))
+
+    def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
+        """Answer a query (GetInfo, sampling sessions, listings...) as for a native client."""
+        if isinstance(body, QUERY_TYPES):
+            return self.scheduler.ask_future(Query(owner, body))
+        if isinstance(body, m.GetServerCapabilities):
+            return _ready(self._capabilities())
+        if isinstance(body, m.GetClusterStatus):
+            return asyncio.ensure_future(self._status())
+        raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
 
     # ------------------------------------------------------------------------------------ workers
 
@@ -215,7 +255,13 @@ class Coordinator:
         elif isinstance(body, m.ItemDone):
             self.runner.item_done(worker_id, body)
         elif isinstance(body, m.CycleDone):
-            self.runner.worker_done(worker_id, body.cycle_id)
+            self.runner.worker_done(worker_id, body)
+        elif isinstance(body, m.Reconfigured):
+            self.runner.reconfigured(worker_id, body)
+        elif isinstance(body, m.Leaving):
+            member = self.membership.mark_leaving(worker_id, body.reason)
+            if member is not None:
+                self.runner.leaving(member)
         elif isinstance(body, m.Shutdown):
             self.membership.mark_dead(worker_id, f"left: {body.reason}")
             self._lost(worker_id)
@@ -247,6 +293,17 @@ class Coordinator:
                 return await future
         finally:
             self._worker_asks.pop(env_id, None)
+
+    def _latest_checkpoint(self, run_id: str) -> str | None:
+        record = self.catalog.latest_automatic(run_id)
+        return None if record is None else record.path
+
+    async def _probe(self, member: Any) -> bool:
+        try:
+            await self._ask_worker(member.peer, m.Ping(), timeout=PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        return True
 
     async def _watch_heartbeats(self) -> None:
         interval = min(0.5, self.config.heartbeat_timeout_s / 4)

@@ -41,9 +41,9 @@ def linear_cross_entropy(
     requires grad) it is the forward-only path and does no gradient work. Callers drop weight-0 tokens first.
     """
     lora = _check_inputs(hidden, weight, targets, lora_a, lora_b)
-    chunk = chunk_size or default_chunk_size(weight.shape[0])
-    if chunk < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
     trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in trainable)):
         with torch.no_grad():

@@ -124,5 +124,5 @@ class _LoraLinear(torch.autograd.Function):
                 grad_x[start:end].addmm_(g_b, lora_as[i], alpha=scale)
             grad_factors.append((g_b.T @ x[start:end]).mul_(scale) if need_a else None)
             grad_factors.append((g.T @ xas[i]).mul_(scale) if need_b else None)
-        grad_factors = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grad_factors, ctx.factor_dtypes)]
+        grad_factors = [None if g is None else g.to(dtype) for g, dtype in zip(grad_factors, ctx.factor_dtypes)]
         return grad_x, grad_w, grad_bias, None, None, *grad_factors

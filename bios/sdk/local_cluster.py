@@ -45,6 +45,8 @@ class LocalCluster:
         worker_threads: int | None = None,
         listen: str = "tcp://127.0.0.1:0",
         log_level: str = "INFO",
+        http: str | None = None,
+        checkpoint_every: int = 0,
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
@@ -57,6 +59,9 @@ class LocalCluster:
         self.worker_threads = worker_threads
         self.listen = listen
         self.log_level = log_level
+        self.http = http
+        self.checkpoint_every = checkpoint_every
+        self.http_url: str | None = None
         self.env = {**os.environ, **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -78,6 +83,8 @@ class LocalCluster:
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
                 "--ready-file", str(ready),
                 "--log-level", self.log_level,
+                "--checkpoint-every", str(self.checkpoint_every),
+                *(["--http", self.http] if self.http else []),
             ],
         )
         deadline = time.monotonic() + self.start_timeout_s
@@ -88,7 +95,9 @@ class LocalCluster:
                 self.stop()
                 raise exceptions.TimeoutError(f"the coordinator did not start within {self.start_timeout_s:.0f}s")
             time.sleep(0.02)
-        self.address = json.loads(ready.read_text())["clients"]
+        addresses = json.loads(ready.read_text())
+        self.address = addresses["clients"]
+        self.http_url = addresses.get("http")
         for _ in range(self.num_workers):
             self.add_worker()
         return self

@@ -136,20 +136,26 @@ class AdapterState:
         targets: list[LoraTarget],
         seed: int,
         device: torch.device | str,
+        *,
+        trainable: bool = True,
     ) -> None:
+        """`trainable=False` builds a params-only adapter (for samplers): its gradient and moment buffers are
+        empty and its LoRA views need no grad, so a frozen snapshot costs one buffer, not five."""
         self.model_id = model_id
         self.config = config
         self.targets = targets
         self.seed = seed
         self.scale = LORA_ALPHA / config.rank
         self.step = 0
+        self.trainable = trainable
         rank = config.rank
         total = sum(rank * (t.in_features + t.out_features) for t in targets)
         self.params = torch.zeros(total, dtype=torch.float32, device=device)
-        self.grad = torch.zeros_like(self.params)
-        self.pending_grad = torch.zeros_like(self.params)
-        self.exp_avg = torch.zeros_like(self.params)
-        self.exp_avg_sq = torch.zeros_like(self.params)
+        size_of_state = total if trainable else 0
+        self.grad = torch.zeros(size_of_state, dtype=torch.float32, device=device)
+        self.pending_grad = torch.zeros_like(self.grad)
+        self.exp_avg = torch.zeros_like(self.grad)
+        self.exp_avg_sq = torch.zeros_like(self.grad)
         self._pairs: dict[str, tuple[Tensor, Tensor]] = {}
         offset = 0
         for target in targets:
@@ -157,8 +163,9 @@ class AdapterState:
             for shape in ((rank, target.in_features), (target.out_features, rank)):
                 size = shape[0] * shape[1]
                 view = self.params[offset : offset + size].view(shape)
-                view.requires_grad_(True)
-                view.grad = self.pending_grad[offset : offset + size].view(shape)
+                if trainable:
+                    view.requires_grad_(True)
+                    view.grad = self.pending_grad[offset : offset + size].view(shape)
                 pair.append(view)
                 offset += size
             self._pairs[target.module_name] = (pair[0], pair[1])
@@ -178,6 +185,18 @@ class AdapterState:
                 view_a.copy_(lora_a)
                 view_b.copy_(lora_b)
         return state
+
+    def frozen_copy(self, model_id: str | None = None) -> AdapterState:
+        """A params-only snapshot (same config, scale and step) for sampling: training this adapter later
+        leaves the copy unchanged."""
+        copy = AdapterState(
+            model_id or self.model_id, self.config, self.targets, self.seed, self.params.device, trainable=False
+        )
+        with torch.no_grad():
+            copy.params.copy_(self.params)
+        copy.scale = self.scale
+        copy.step = self.step
+        return copy
 
     def lora_pair(self, module_name: str) -> tuple[Tensor, Tensor]:
         """The (A [rank, in], B [out, rank]) views of `module_name`; KeyError if this adapter does not train it."""

@@ -27,10 +27,13 @@ from bios.models import list_models
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer
 
-from .executor import CycleExecutor
+from .collectives import CollectiveGroup, advertised_host
+from .executor import CycleExecutor, CycleOutcome
 from .pool import ModelPool
 
 log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 120.0  # exit anyway if the coordinator never answers a leave
 
 
 def default_device() -> torch.device:
@@ -54,26 +57,38 @@ class WorkerConfig:
 
 
 class Trainer(Actor):
-    """Owns the model pool; runs one cycle at a time on the compute thread and reports as items finish."""
+    """Owns the model pool and the collective group; runs cycles and reconfigurations one at a time on the
+    compute thread, reporting items as they finish."""
 
-    def __init__(self, worker_id: str, pool: ModelPool, send: Any) -> None:
+    def __init__(self, worker_id: str, pool: ModelPool, group: CollectiveGroup, send: Any) -> None:
         self.worker_id = worker_id
-        self.executor = CycleExecutor(pool)
+        self.executor = CycleExecutor(pool, group)
         self.send = send
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     async def receive(self, message: Any) -> None:
-        assert isinstance(message, m.RunCycle)
         loop = asyncio.get_running_loop()
+        if isinstance(message, m.Reconfigure):
+            try:
+                checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
+            except Exception as exc:
+                log.exception("could not join generation %d", message.generation)
+                await self.send(m.Reconfigured(message.generation, self.worker_id, {}, error=str(exc)))
+            else:
+                await self.send(m.Reconfigured(message.generation, self.worker_id, checksums))
+            return
+        assert isinstance(message, m.RunCycle)
 
         def report(done: m.ItemDone) -> None:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(done)))
 
+        outcome = CycleOutcome(True, "the cycle crashed on this worker", {})
         try:
-            await loop.run_in_executor(self.thread, self.executor.run, message, report)
+            outcome = await loop.run_in_executor(self.thread, self.executor.run, message, report)
         finally:
             await asyncio.sleep(0)  # let the reports queued by the compute thread go out first
-            await self.send(m.CycleDone(message.cycle_id, self.worker_id))
+            await self.send(m.CycleDone(message.cycle_id, self.worker_id, outcome.aborted, outcome.reason,
+                                        outcome.checksums))
 
     async def stopped(self) -> None:
         self.thread.shutdown(wait=False, cancel_futures=True)
@@ -86,6 +101,7 @@ class WorkerDaemon:
         self.ctx = zmq.asyncio.Context()
         self.codec = m.make_codec()
         self.pool = ModelPool(config.device)
+        self.group = CollectiveGroup(config.device, advertised_host(config.coordinator))
         self.stop_requested = asyncio.Event()
         self.remote: RemoteRef | None = None
 
@@ -94,7 +110,7 @@ class WorkerDaemon:
         dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode())
         dealer.connect(address)
         self.remote = RemoteRef(dealer, on_message=self._on_message).start()
-        self.trainer = spawn(lambda: Trainer(self.worker_id, self.pool, self._send), name="trainer", policy=Policy.RESUME)
+        self.trainer = spawn(lambda: Trainer(self.worker_id, self.pool, self.group, self._send), name="trainer", policy=Policy.RESUME)
         accepted = await self.remote.ask(
             m.RegisterWorker(
                 worker_id=self.worker_id,
@@ -104,6 +120,8 @@ class WorkerDaemon:
                 memory_bytes=device_memory(self.config.device),
                 token=self.config.token,
                 models=[entry.name for entry in list_models()],
+                store_host=self.group.host,
+                store_port=self.group.store_port,
             ),
             timeout=self.config.discover_timeout_s,
         )
@@ -116,11 +134,12 @@ class WorkerDaemon:
         self.ctx.term()
 
     async def leave(self, reason: str) -> None:
-        """Finish the cycle in progress, then say goodbye: a graceful leave aborts no cycle."""
-        await self.trainer.stop()
-        if self.remote is not None:
-            await self.remote.tell(m.Shutdown(reason))
-        self.stop_requested.set()
+        """Ask to leave; the coordinator lets the cycle in progress finish, then answers with Shutdown."""
+        if self.remote is None:
+            self.stop_requested.set()
+            return
+        await self.remote.tell(m.Leaving(self.worker_id, reason))
+        asyncio.get_running_loop().call_later(LEAVE_TIMEOUT_S, self.stop_requested.set)
 
     async def _worker_address(self) -> str:
         """Ask the coordinator's client address where workers connect (same host, its worker port)."""
@@ -148,11 +167,11 @@ class WorkerDaemon:
 
     def _on_message(self, env: Envelope) -> None:
         body = env.body
-        if isinstance(body, m.RunCycle):
+        if isinstance(body, (m.RunCycle, m.Reconfigure)):
             if self.trainer.running:
                 self.trainer.tell(body)
             else:
-                log.warning("leaving: cycle %d not started here", body.cycle_id)
+                log.warning("leaving: %s not started here", type(body).__name__)
         elif isinstance(body, m.Ping):
             asyncio.ensure_future(self._reply(env, m.Pong(body.payload)))
         elif isinstance(body, m.Shutdown):

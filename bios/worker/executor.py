@@ -1,15 +1,22 @@
-"""Runs one cycle's work items on this worker, in the cycle's phases.
+"""Runs one cycle's work items on this worker, as one member of its generation's collective group.
 
-Phases: new adapters first, then all forward/forward_backward work of every run together (rows of different
-adapters share forward passes), then each run's closing op (optim_step, ...). Each item's result is reported the
-moment it is ready. Runs on the worker's compute thread; everything it touches belongs to that thread.
+Phases: new adapters first; then all forward/forward_backward work of every run together (each member takes
+its contiguous, token-balanced shard of every batch; rows of different adapters share forward passes); then
+the gradient sum across members (one all-reduce per adapter) and the commit; then each run's closing op
+(optim_step, save, load), replicated on every member; then this member's share of the samples.
+
+A failed collective aborts the cycle: uncommitted gradients are dropped and the coordinator re-runs what did
+not finish. Every member reports what it finished; the coordinator keeps the first report of each item.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from bios import messages as m
 from bios import types as t
@@ -19,6 +26,7 @@ from bios.validation import validate_adam_params, validate_forward_backward, val
 
 from . import engine
 from .checkpoint import export_state, load_into
+from .collectives import CollectiveError, CollectiveGroup
 from .pool import Adapter, ModelPool
 from .sampling import SampleItem, generate
 
@@ -27,25 +35,64 @@ log = logging.getLogger(__name__)
 Report = Callable[[m.ItemDone], None]
 
 
-class CycleExecutor:
-    def __init__(self, pool: ModelPool) -> None:
-        self.pool = pool
+@dataclass(frozen=True)
+class CycleOutcome:
+    aborted: bool
+    reason: str
+    checksums: dict[str, float]
 
-    def run(self, cycle: m.RunCycle, report: Report) -> None:
+
+def shard_range(token_counts: list[int], world: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous slice of a batch, cut where the running token count crosses rank/world of the total."""
+    total = sum(token_counts)
+    bounds = [0]
+    running = 0
+    cut = 1
+    for i, count in enumerate(token_counts):
+        running += count
+        while cut < world and running * world >= cut * total and len(bounds) <= cut:
+            bounds.append(i + 1)
+            cut += 1
+    bounds += [len(token_counts)] * (world + 1 - len(bounds))
+    return bounds[rank], bounds[rank + 1]
+
+
+class CycleExecutor:
+    def __init__(self, pool: ModelPool, group: CollectiveGroup) -> None:
+        self.pool = pool
+        self.group = group
+
+    def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
         closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
+        touched: set[str] = set()
         for item in creates:
-            report(_attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op)))
-        self._forward_phase(cycle.cycle_id, forwards, report)
+            done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
+            if done is not None:
+                report(done)
+            touched.add(f"{item.op.session_id}:train:{item.op.model_seq_id}")
+        try:
+            touched |= self._forward_phase(cycle.cycle_id, forwards, report)
+        except CollectiveError as exc:
+            log.warning("cycle %d aborted: %s", cycle.cycle_id, exc)
+            return CycleOutcome(True, str(exc), {})
         for item in closing:
-            report(_attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op)))
+            done = _attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op))
+            if done is not None:
+                report(done)
+            touched.add(item.op.model_id)
         self._sample_phase(cycle.cycle_id, samples, report)
+        checksums = {mid: self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
+                     if mid in self.pool.adapters}
+        return CycleOutcome(False, "", checksums)
 
-    def _forward_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> None:
-        """Validate each item, then run every valid one of a base model in one batched call."""
-        by_base: dict[str, list[tuple[m.WorkItem, Adapter]]] = {}
+    # ------------------------------------------------------------------------------------ forward
+
+    def _forward_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> set[str]:
+        """Shard, compute, gather outputs, sum gradients, commit; returns the runs whose gradients changed."""
+        groups: dict[str, list[tuple[m.WorkItem, Adapter]]] = {}
         for item in items:
             try:
                 adapter = self.pool.adapter(item.op.model_id)
@@ -54,33 +101,88 @@ class CycleExecutor:
             except Exception as exc:
                 report(_failed(cycle_id, item, exc))
                 continue
-            by_base.setdefault(adapter.base_model, []).append((item, adapter))
-        for group in by_base.values():
-            self._run_group(cycle_id, group, report)
+            groups.setdefault(adapter.base_model, []).append((item, adapter))
+        if not groups:
+            return set()
+        local: dict[str, Any] = {}
+        for base_model, group in groups.items():
+            local[base_model] = self._run_shard(group)
+        gathered = self.group.all_gather_object(local)
+        touched: set[str] = set()
+        for base_model, group in groups.items():
+            parts = [g[base_model] for g in gathered]
+            failure = next((p for p in parts if isinstance(p, RemoteError)), None)
+            training = sorted({a.state.model_id for it, a in group if not it.op.forward_only})
+            if failure is not None:
+                for _, adapter in group:
+                    engine.discard_gradients(adapter.state)
+                for item, _ in group:
+                    report(m.ItemDone(cycle_id, item.request_id, error=failure))
+                continue
+            norms = self._sum_and_commit([a for _, a in group], training)
+            touched.update(training)
+            for index, (item, adapter) in enumerate(group):
+                output = _merge([p[index] for p in parts])
+                if not item.op.forward_only:
+                    output.metrics["grad_norm:max"] = norms[adapter.state.model_id]
+                report(m.ItemDone(cycle_id, item.request_id, result=output))
+        return touched
 
-    def _run_group(self, cycle_id: int, group: list[tuple[m.WorkItem, Adapter]], report: Report) -> None:
-        model = group[0][1].base.model
-        batch = [_forward_item(item, adapter) for item, adapter in group]
+    def _run_shard(self, group: list[tuple[m.WorkItem, Adapter]]) -> list[t.ForwardBackwardOutput] | RemoteError:
+        """This member's shard of every item in one batched call: its outputs, or the error every member sees."""
+        batch, slots = [], []
+        for item, adapter in group:
+            op = item.op
+            start, end = shard_range([d.model_input.length for d in op.data], self.group.world, self.group.rank)
+            slots.append(end > start)
+            if end > start:
+                batch.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
+                                                op.forward_only))
         try:
-            outputs = engine.forward_backward(model, batch)
-        except Exception:
-            log.exception("a batched forward of %d items failed; running them one by one", len(group))
+            outputs = iter(engine.forward_backward(group[0][1].base.model, batch)) if batch else iter(())
+        except Exception as exc:
+            log.exception("a batched forward of %d items failed", len(batch))
             for _, adapter in group:
                 engine.discard_gradients(adapter.state)
-            if len(group) > 1:
-                for one in group:
-                    self._run_group(cycle_id, [one], report)
-                return
+            return RemoteError.from_exception(exc)
+        return [next(outputs) if has_rows else _empty_output() for has_rows in slots]
+
+    def _sum_and_commit(self, adapters: list[Adapter], training: list[str]) -> dict[str, float]:
+        by_id = {a.state.model_id: a.state for a in adapters}
+        try:
+            for model_id in training:  # every member walks the same sorted list: collectives line up
+                self.group.all_reduce_sum_(by_id[model_id].pending_grad)
+        except CollectiveError:
+            for state in by_id.values():
+                engine.discard_gradients(state)
             raise
-        norms = {
-            id(adapter.state): engine.commit_gradients(adapter.state)
-            for (item, adapter) in group
-            if not item.op.forward_only
-        }
-        for (item, adapter), output in zip(group, outputs, strict=True):
-            if not item.op.forward_only:
-                output.metrics["grad_norm:max"] = norms[id(adapter.state)]
-            report(m.ItemDone(cycle_id, item.request_id, result=output))
+        return {model_id: engine.commit_gradients(by_id[model_id]) for model_id in training}
+
+    # ------------------------------------------------------------------------------------ membership
+
+    def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
+        """Join a new generation and make every adapter identical to rank 0's (or to its checkpoint)."""
+        wanted = {spec.model_id: spec for spec in msg.adapters}
+        for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
+            del self.pool.adapters[model_id]
+        for spec in msg.adapters:
+            checkpoint = msg.restore.get(spec.model_id)
+            if checkpoint is not None or spec.model_id not in self.pool.adapters:
+                self.pool.create(m.CreateModel("", 0, spec.base_model, spec.lora, state=checkpoint,
+                                               with_optimizer=True), model_id=spec.model_id)
+        self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s)
+        for model_id in sorted(wanted):
+            state = self.pool.adapters[model_id].state
+            engine.discard_gradients(state)
+            if model_id in msg.restore:
+                continue
+            step = torch.tensor([state.step], dtype=torch.int64)
+            for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
+                self.group.broadcast_(buffer, src=0)
+            state.step = int(step.item())
+        return {mid: self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
+
+    # ------------------------------------------------------------------------------------ closing ops
 
     def _closing_op(self, op: Any) -> Any:
         if isinstance(op, m.OptimStep):
@@ -92,7 +194,7 @@ class CycleExecutor:
                                  with_optimizer=op.kind == "weights")
             if op.kind == "sampler_weights":
                 self.pool.add_sampler(op.path, adapter.base_model, saved)
-            return m.SavedState(saved)
+            return m.SavedState(saved) if self.group.rank == 0 else None
         if isinstance(op, m.LoadWeights):
             if op.state is None:
                 raise BadRequestError(f"no checkpoint data came with the load of {op.path}", field="path")
@@ -100,8 +202,10 @@ class CycleExecutor:
             return t.LoadWeightsResponse(path=op.path, model_id=op.model_id)
         raise BadRequestError(f"workers do not run {type(op).__name__}", field="kind")
 
+    # ------------------------------------------------------------------------------------ sampling
+
     def _sample_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> None:
-        """All samples of one base model in one batch, rows of different adapters together."""
+        """All of this member's samples of one base model in one batch, rows of different adapters together."""
         by_base: dict[str, list[tuple[m.WorkItem, SampleItem]]] = {}
         for item in items:
             op: m.Sample = item.op
@@ -130,22 +234,26 @@ class CycleExecutor:
                 report(m.ItemDone(cycle_id, item.request_id, result=response))
 
 
-def _forward_item(item: m.WorkItem, adapter: Adapter) -> engine.ForwardItem:
-    op = item.op
-    return engine.ForwardItem(
-        adapter=adapter.state,
-        data=op.data,
-        loss_fn=op.loss_fn,
-        loss_fn_config=op.loss_fn_config,
-        forward_only=op.forward_only,
-    )
+def _empty_output() -> t.ForwardBackwardOutput:
+    return t.ForwardBackwardOutput("ArrayRecord", [], {"loss:sum": 0.0})
 
 
-def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any]) -> m.ItemDone:
+def _merge(parts: list[t.ForwardBackwardOutput]) -> t.ForwardBackwardOutput:
+    """Shards in rank order make the whole batch: outputs concatenated, sums summed."""
+    outputs = [record for part in parts for record in part.loss_fn_outputs]
+    metrics: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value if key.endswith(":sum") else value
+    return t.ForwardBackwardOutput(parts[0].loss_fn_output_type, outputs, metrics)
+
+
+def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any]) -> m.ItemDone | None:
     try:
-        return m.ItemDone(cycle_id, item.request_id, result=fn())
+        result = fn()
     except Exception as exc:
         return _failed(cycle_id, item, exc)
+    return None if result is None else m.ItemDone(cycle_id, item.request_id, result=result)
 
 
 def _failed(cycle_id: int, item: m.WorkItem, exc: Exception) -> m.ItemDone:

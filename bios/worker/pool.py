@@ -53,8 +53,8 @@ class ModelPool:
                          name, loaded.info.num_parameters, time.monotonic() - started)
             return loaded
 
-    def create(self, op: m.CreateModel) -> m.ModelCreated:
-        model_id = f"{op.session_id}:train:{op.model_seq_id}"
+    def create(self, op: m.CreateModel, *, model_id: str | None = None) -> m.ModelCreated:
+        model_id = model_id or f"{op.session_id}:train:{op.model_seq_id}"
         base = self.base(op.base_model)
         validate_lora_config(base.model, op.lora)
         if op.state is not None:

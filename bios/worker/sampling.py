@@ -1,0 +1,542 @@
+"""Sampling as a plain function: every row of every request of one base model in one KV-cached batch.
+
+`generate` takes the sample requests a cycle collected for one base model, each with its own adapter (or
+none), prompt, sample count and `SamplingParams`. Each distinct prompt is prefilled once (left padded, with
+an attention mask and position ids that skip the pads) and its cache is repeated for its samples; then one
+decode step per token runs all unfinished rows together, rows of one adapter contiguous so each LoRA layer
+loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
+it is done, so long-running samples do not drag finished ones along.
+
+What a sampled token's logprob is: the log-probability of that token under the distribution it was actually
+drawn from, i.e. softmax(logits / temperature) restricted to the top-k / top-p set and renormalised. At
+temperature 1 with no top-k/top-p this is the model's own log-softmax, the number a training `forward`
+returns for the same token (importance-sampling losses rely on that). For greedy rows (temperature 0) it is
+the model's untempered log-softmax of the chosen token.
+
+Randomness: each row draws one uniform per step from its own `torch.Generator`, seeded from (seed, sample
+index) and drawn up front, and picks a token by inverse CDF. A row's tokens therefore depend on its seed,
+prompt and parameters only, never on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from bios.exceptions import BadRequestError
+from bios.types import BaseModelInfo, SampledSequence, SampleResponse, SamplingParams
+from bios.worker.adapter import AdapterState
+from bios.worker.lora import active_adapters, attach_lora
+
+# max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
+# chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
+DEFAULT_MAX_TOKENS = 256
+# A batch is compacted (finished rows dropped from the cache) once at most this fraction of it is alive.
+_COMPACT_WHEN_ALIVE = 0.75
+# Prompt logprobs go through the output head this many positions at a time, so a long prompt never
+# materialises [prompt, vocab] logits at once.
+_PROMPT_LOGPROB_CHUNK = 1024
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SampleItem:
+    """One sample request: `num_samples` continuations of `prompt` from the base model plus `adapter`."""
+
+    adapter: AdapterState | None  # None: the base model alone
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def validate_sample(prompt_len: int, num_samples: int, params: SamplingParams, info: BaseModelInfo | None) -> None:
+    """Raise `BadRequestError` naming the field if the request cannot run; `info` adds context/vocab checks.
+
+    The coordinator runs this at acceptance; `generate` runs it again against the loaded model.
+    """
+    _check_request(
+        prompt_len,
+        num_samples,
+        params,
+        context=None if info is None else info.max_context_length,
+        vocab_size=None if info is None else info.vocab_size,
+    )
+
+
+def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | None) -> int:
+    """`params.max_tokens`, or for None: `DEFAULT_MAX_TOKENS` capped by what the context leaves after the prompt."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    if context is None:
+        return DEFAULT_MAX_TOKENS
+    return min(DEFAULT_MAX_TOKENS, context - prompt_len)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_request(
+    prompt_len: int, num_samples: int, params: SamplingParams, *, context: int | None, vocab_size: int | None
+) -> None:
+    if not _is_int(num_samples) or num_samples < 1:
+        raise BadRequestError(f"num_samples must be an integer >= 1, got {num_samples!r}", field="num_samples")
+    if prompt_len < 1:
+        raise BadRequestError("prompt is empty: sampling needs at least one prompt token", field="prompt")
+    if context is not None and prompt_len >= context:
+        raise BadRequestError(
+            f"prompt has {prompt_len} tokens, which leaves no room to sample in the model's context of {context}",
+            field="prompt",
+        )
+    max_tokens = params.max_tokens
+    if max_tokens is not None:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise BadRequestError(
+                f"sampling_params.max_tokens must be an integer >= 1 (or None), got {max_tokens!r}",
+                field="sampling_params.max_tokens",
+            )
+        if context is not None and prompt_len + max_tokens > context:
+            raise BadRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
+                f"{context}; lower max_tokens to at most {context - prompt_len}",
+                field="sampling_params.max_tokens",
+            )
+    if not _is_number(params.temperature) or params.temperature < 0:
+        raise BadRequestError(
+            f"sampling_params.temperature must be a finite number >= 0 (0 = greedy), got {params.temperature!r}",
+            field="sampling_params.temperature",
+        )
+    if not _is_int(params.top_k) or params.top_k == 0 or params.top_k < -1:
+        raise BadRequestError(
+            f"sampling_params.top_k must be -1 (off) or an integer >= 1, got {params.top_k!r}",
+            field="sampling_params.top_k",
+        )
+    if not _is_number(params.top_p) or not 0 < params.top_p <= 1:
+        raise BadRequestError(
+            f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}", field="sampling_params.top_p"
+        )
+    if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed <= _MAX_SEED):
+        raise BadRequestError(
+            f"sampling_params.seed must be an integer in [0, {_MAX_SEED}] or None, got {params.seed!r}",
+            field="sampling_params.seed",
+        )
+    _check_stop(params.stop, vocab_size)
+
+
+def _check_stop(stop: object, vocab_size: int | None) -> None:
+    if stop is None or isinstance(stop, str) and stop:
+        return
+    rule = "sampling_params.stop must be None, a non-empty string, a list of non-empty strings or a list of token ids"
+    if not isinstance(stop, (list, tuple)):
+        raise BadRequestError(f"{rule}, got {type(stop).__name__}", field="sampling_params.stop")
+    if all(isinstance(s, str) and s for s in stop):
+        return
+    if not all(_is_int(s) for s in stop):
+        raise BadRequestError(f"{rule} (not a mix), got {list(stop)!r}", field="sampling_params.stop")
+    bad = next((s for s in stop if s < 0 or (vocab_size is not None and s >= vocab_size)), None)
+    if bad is not None:
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise BadRequestError(f"sampling_params.stop token id {bad} is outside {limit}", field="sampling_params.stop")
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+
+def row_seed(seed: int, sample_index: int) -> int:
+    """The generator seed of sample `sample_index` of a request with `seed`: a hash, so nearby seeds and
+    indices give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MAX_SEED
+
+
+def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
+    """None: EOS (if the model has one). An explicit list replaces EOS: `[]` never stops early, token ids stop
+    on those ids only, strings stop on text only."""
+    if stop is None:
+        return [] if eos_token_id is None else [eos_token_id]
+    if isinstance(stop, (list, tuple)) and stop and all(_is_int(s) for s in stop):
+        return list(stop)
+    return []
+
+
+def _stop_strings(stop: object) -> list[str]:
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, (list, tuple)) and stop and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    return []
+
+
+@dataclass
+class _Rows:
+    """Per-row sampling state of the live batch, as tensors so a decode step is a few batched ops.
+
+    `row` maps a batch position to its row in the output buffers; compaction indexes every field alike.
+    """
+
+    row: Tensor  # [B] int64
+    inv_temperature: Tensor  # [B] float32, 1 for greedy rows
+    greedy: Tensor  # [B] bool
+    top_k: Tensor  # [B] int64, vocab size when off
+    top_p: Tensor  # [B] float32, 2 when off (keeps everything despite rounding in the cumulative sum)
+    max_new: Tensor  # [B] int64
+    position: Tensor  # [B] int64, position of the first sampled token (the prompt length)
+    stop_ids: Tensor  # [B, S] int64, -1 padded
+    uniforms: Tensor  # [B, max steps] float32
+    attention_mask: Tensor  # [B, padded prompt + max steps] int64
+    adapters: list[AdapterState | None]
+
+    def select(self, keep: Tensor) -> _Rows:
+        indices = keep.tolist()
+        return _Rows(
+            row=self.row[keep],
+            inv_temperature=self.inv_temperature[keep],
+            greedy=self.greedy[keep],
+            top_k=self.top_k[keep],
+            top_p=self.top_p[keep],
+            max_new=self.max_new[keep],
+            position=self.position[keep],
+            stop_ids=self.stop_ids[keep],
+            uniforms=self.uniforms[keep],
+            attention_mask=self.attention_mask[keep],
+            adapters=[self.adapters[i] for i in indices],
+        )
+
+
+def _adapter_segments(adapters: list[AdapterState | None]) -> list[tuple[int, int, AdapterState]]:
+    """[start, end) runs of consecutive rows sharing an adapter; base-model rows get no segment."""
+    segments: list[tuple[int, int, AdapterState]] = []
+    for index, adapter in enumerate(adapters):
+        if adapter is None:
+            continue
+        if segments and segments[-1][2] is adapter and segments[-1][1] == index:
+            segments[-1] = (segments[-1][0], index + 1, adapter)
+        else:
+            segments.append((index, index + 1, adapter))
+    return segments
+
+
+# ------------------------------------------------------------------------------------------ token choice
+
+
+def _inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
+    """Index drawn from each row's distribution `exp(logp)` with one uniform per row, shape [B, 1].
+
+    `right=True` returns the first index whose CDF exceeds the target, which never is a zero-probability
+    token as long as the target stays below the total (hence the clamp just under it).
+    """
+    cdf = logp.exp().cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target[:, None], right=True)
+    return index.clamp_(max=logp.shape[-1] - 1)
+
+
+def choose_tokens(logits: Tensor, rows: _Rows, step: int, *, filtered: bool, sampled: bool) -> tuple[Tensor, Tensor]:
+    """Next token and its logprob (see the module docstring) for every row of `logits` [B, V] (fp32).
+
+    `filtered`: some row uses top-k or top-p (the others keep everything); `sampled`: some row has
+    temperature > 0. Both are decided once per batch so the common cases skip the sort or the draw.
+    """
+    model_logp = torch.log_softmax(logits, dim=-1)
+    greedy_tokens = logits.argmax(dim=-1, keepdim=True)
+    if not sampled:
+        return greedy_tokens.squeeze(1), model_logp.gather(1, greedy_tokens).squeeze(1)
+    uniforms = rows.uniforms[:, step]
+    scaled = logits * rows.inv_temperature[:, None]
+    if filtered:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= rows.top_k[:, None], -math.inf)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits.masked_fill_(mass_before >= rows.top_p[:, None], -math.inf)
+        logp = torch.log_softmax(sorted_logits, dim=-1)
+        position = _inverse_cdf(logp, uniforms)
+        tokens = order.gather(1, position)
+    else:
+        logp = torch.log_softmax(scaled, dim=-1)
+        position = _inverse_cdf(logp, uniforms)
+        tokens = position
+    token_logp = logp.gather(1, position)
+    greedy = rows.greedy[:, None]
+    tokens = torch.where(greedy, greedy_tokens, tokens)
+    token_logp = torch.where(greedy, model_logp.gather(1, greedy_tokens), token_logp)
+    return tokens.squeeze(1), token_logp.squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------ generate
+
+
+def generate(
+    model: nn.Module, tokenizer: object, items: list[SampleItem], *, eos_token_id: int | None
+) -> list[SampleResponse]:
+    """Sample every item (all rows in one batch); one `SampleResponse` per item, in order.
+
+    Raises `BadRequestError` (before any compute) if an item cannot run on this model. `tokenizer` is only
+    used to decode text for stop strings.
+    """
+    if not items:
+        return []
+    config = model.config.get_text_config()
+    context = int(config.max_position_embeddings)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    for index, item in enumerate(items):
+        try:
+            _check_request(len(item.prompt), item.num_samples, item.params, context=context, vocab_size=vocab_size)
+            bad = next((t for t in item.prompt if not _is_int(t) or not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise BadRequestError(
+                    f"prompt holds token id {bad!r}, outside this model's vocabulary [0, {vocab_size})", field="prompt"
+                )
+            if _stop_strings(item.params.stop) and tokenizer is None:
+                raise BadRequestError("stop strings need a tokenizer to decode text", field="sampling_params.stop")
+        except BadRequestError as error:
+            if len(items) == 1:
+                raise
+            raise BadRequestError(f"sample request {index}: {error.message}", field=error.field) from None
+    attach_lora(model)
+    with torch.inference_mode():
+        return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context)
+
+
+def _grouped_order(items: list[SampleItem]) -> list[int]:
+    """Item indices with items of one adapter together (in order of first appearance), stable otherwise."""
+    first_seen: dict[int, int] = {}
+    for item in items:
+        first_seen.setdefault(id(item.adapter), len(first_seen))
+    return sorted(range(len(items)), key=lambda i: first_seen[id(items[i].adapter)])
+
+
+def _generate(
+    model: nn.Module, tokenizer: object, items: list[SampleItem], *, eos_token_id: int | None, context: int
+) -> list[SampleResponse]:
+    device = model.get_input_embeddings().weight.device
+    lm_head = model.get_output_embeddings()
+    order = _grouped_order(items)
+    ordered = [items[i] for i in order]
+
+    # Prefill: each distinct request's prompt once, left padded so every row's last position is real.
+    lengths = [len(item.prompt) for item in ordered]
+    padded = max(lengths)
+    input_ids = torch.zeros(len(ordered), padded, dtype=torch.int64)
+    prompt_mask = torch.zeros(len(ordered), padded, dtype=torch.int64)
+    for i, item in enumerate(ordered):
+        input_ids[i, padded - lengths[i] :] = torch.tensor(item.prompt, dtype=torch.int64)
+        prompt_mask[i, padded - lengths[i] :] = 1
+    input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
+    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+    cache = DynamicCache(config=model.config)
+    with active_adapters(model, _adapter_segments([item.adapter for item in ordered])):
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        logits = lm_head(hidden[:, -1]).float()
+    prompt_logprobs = {
+        order[i]: _prompt_logprobs(model, hidden[i, padded - lengths[i] :], item)
+        for i, item in enumerate(ordered)
+        if item.prompt_logprobs
+    }
+    del hidden
+
+    # One row per sample; a request's samples share its prefilled cache.
+    counts = torch.tensor([item.num_samples for item in ordered], device=device)
+    expand = torch.repeat_interleave(torch.arange(len(ordered), device=device), counts)
+    cache.reorder_cache(expand)
+    logits = logits[expand]
+    rows, string_stops = _build_rows(ordered, prompt_mask[expand], lengths, eos_token_id, context, device)
+    total_rows = rows.row.numel()
+    steps = rows.uniforms.shape[1]
+    greedy_all = bool(rows.greedy.all())
+    filtered = bool(((rows.top_k < logits.shape[-1]) | (rows.top_p <= 1)).logical_and(~rows.greedy).any())
+
+    out_tokens = torch.zeros(total_rows, steps, dtype=torch.int64, device=device)
+    out_logprobs = torch.zeros(total_rows, steps, dtype=torch.float32, device=device)
+    lengths_out = torch.zeros(total_rows, dtype=torch.int64, device=device)
+    stopped = torch.zeros(total_rows, dtype=torch.bool, device=device)
+    generated_text_tokens: dict[int, list[int]] = {row: [] for row in string_stops}
+    alive = torch.ones(total_rows, dtype=torch.bool, device=device)
+
+    with ExitStack() as adapters_scope:
+        adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters)))
+        for step in range(steps):
+            tokens, token_logp = choose_tokens(logits, rows, step, filtered=filtered, sampled=not greedy_all)
+            out_tokens[rows.row, step] = tokens
+            out_logprobs[rows.row, step] = token_logp
+            hit_stop = (
+                (tokens[:, None] == rows.stop_ids).any(dim=-1) if rows.stop_ids.shape[1] else torch.zeros_like(alive)
+            )
+            if generated_text_tokens:
+                hit_stop = hit_stop | _string_stop_hits(
+                    tokenizer, tokens, rows, alive, string_stops, generated_text_tokens
+                )
+            new_stop = alive & hit_stop
+            finished = new_stop | (alive & (rows.max_new <= step + 1))
+            lengths_out[rows.row[finished]] = step + 1
+            stopped[rows.row[new_stop]] = True
+            alive = alive & ~finished
+            live = int(alive.sum())
+            if live == 0:
+                break
+            if live <= _COMPACT_WHEN_ALIVE * alive.numel():
+                keep = alive.nonzero().squeeze(1)
+                cache.reorder_cache(keep)
+                rows, tokens, alive = rows.select(keep), tokens[keep], alive[keep]
+                adapters_scope.close()
+                adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters)))
+            hidden = model.base_model(
+                input_ids=tokens[:, None],
+                attention_mask=rows.attention_mask[:, : padded + step + 1],
+                position_ids=(rows.position + step)[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
+            logits = lm_head(hidden[:, -1]).float()
+
+    return _responses(items, order, out_tokens, out_logprobs, lengths_out, stopped, prompt_logprobs)
+
+
+def _build_rows(
+    ordered: list[SampleItem],
+    prompt_mask: Tensor,
+    lengths: list[int],
+    eos_token_id: int | None,
+    context: int,
+    device: torch.device,
+) -> tuple[_Rows, dict[int, list[str]]]:
+    """Per-row tensors for the decode loop, and the stop strings of rows that have any (by row)."""
+    vocab_limit = 2**62
+    inv_temperature, greedy, top_k, top_p, max_new, position, stop_ids, adapters = [], [], [], [], [], [], [], []
+    string_stops: dict[int, list[str]] = {}
+    for item, length in zip(ordered, lengths):
+        params = item.params
+        new_tokens = resolved_max_tokens(length, params, context)
+        for _ in range(item.num_samples):
+            row = len(greedy)
+            greedy.append(params.temperature == 0)
+            inv_temperature.append(1.0 if params.temperature == 0 else 1.0 / params.temperature)
+            top_k.append(vocab_limit if params.top_k == -1 else params.top_k)
+            top_p.append(2.0 if params.top_p >= 1 else params.top_p)
+            max_new.append(new_tokens)
+            position.append(length)
+            stop_ids.append(_stop_token_ids(params.stop, eos_token_id))
+            adapters.append(item.adapter)
+            strings = _stop_strings(params.stop)
+            if strings:
+                string_stops[row] = strings
+    steps = max(max_new)
+    uniforms = torch.zeros(len(greedy), steps, dtype=torch.float32)
+    row = 0
+    for item in ordered:
+        seed = item.params.seed if item.params.seed is not None else secrets.randbits(63)
+        for sample_index in range(item.num_samples):
+            if item.params.temperature > 0:
+                generator = torch.Generator().manual_seed(row_seed(seed, sample_index))
+                uniforms[row, : max_new[row]] = torch.rand(max_new[row], generator=generator)
+            row += 1
+    width = max(len(ids) for ids in stop_ids)
+    stop_table = torch.full((len(greedy), width), -1, dtype=torch.int64)
+    for row, ids in enumerate(stop_ids):
+        stop_table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    attention_mask = torch.cat(
+        [prompt_mask, torch.ones(len(greedy), steps, dtype=torch.int64, device=device)], dim=1
+    )
+    rows = _Rows(
+        row=torch.arange(len(greedy), device=device),
+        inv_temperature=torch.tensor(inv_temperature, dtype=torch.float32, device=device),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        max_new=torch.tensor(max_new, dtype=torch.int64, device=device),
+        position=torch.tensor(position, dtype=torch.int64, device=device),
+        stop_ids=stop_table.to(device),
+        uniforms=uniforms.to(device),
+        attention_mask=attention_mask,
+        adapters=adapters,
+    )
+    return rows, string_stops
+
+
+def _string_stop_hits(
+    tokenizer: object,
+    tokens: Tensor,
+    rows: _Rows,
+    alive: Tensor,
+    string_stops: dict[int, list[str]],
+    generated: dict[int, list[int]],
+) -> Tensor:
+    """True for live rows whose decoded generated text now contains one of their stop strings.
+
+    The whole generated text is decoded each step (not just the new token) because a token may complete a
+    multi-byte character or a stop string spanning several tokens; a stop string present now and not
+    before was completed by this step's token.
+    """
+    hits = torch.zeros_like(alive)
+    row_list, token_list, alive_list = rows.row.tolist(), tokens.tolist(), alive.tolist()
+    for position, (row, token, is_alive) in enumerate(zip(row_list, token_list, alive_list)):
+        if not is_alive or row not in string_stops:
+            continue
+        generated[row].append(token)
+        text = tokenizer.decode(generated[row])  # type: ignore[attr-defined]
+        if any(stop in text for stop in string_stops[row]):
+            hits[position] = True
+    return hits
+
+
+def _prompt_logprobs(model: nn.Module, hidden: Tensor, item: SampleItem) -> list[float | None]:
+    """[None, log p(prompt[1] | prompt[:1]), ...] from the prompt's final hidden states [len, H]."""
+    lm_head = model.get_output_embeddings()
+    targets = torch.tensor(item.prompt[1:], dtype=torch.int64, device=hidden.device)
+    values: list[float | None] = [None]
+    for start in range(0, targets.numel(), _PROMPT_LOGPROB_CHUNK):
+        chunk = hidden[start : start + min(_PROMPT_LOGPROB_CHUNK, targets.numel() - start)]
+        segments = [] if item.adapter is None else [(0, chunk.shape[0], item.adapter)]
+        with active_adapters(model, segments):
+            logits = lm_head(chunk).float()
+        chunk_targets = targets[start : start + chunk.shape[0]]
+        logp = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        values.extend(logp.tolist())
+    return values
+
+
+def _responses(
+    items: list[SampleItem],
+    order: list[int],
+    out_tokens: Tensor,
+    out_logprobs: Tensor,
+    lengths: Tensor,
+    stopped: Tensor,
+    prompt_logprobs: dict[int, list[float | None]],
+) -> list[SampleResponse]:
+    tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+    lengths_list, stopped_list = lengths.tolist(), stopped.tolist()
+    sequences: dict[int, list[SampledSequence]] = {}
+    row = 0
+    for index in order:
+        sequences[index] = []
+        for _ in range(items[index].num_samples):
+            n = lengths_list[row]
+            sequences[index].append(
+                SampledSequence(
+                    stop_reason="stop" if stopped_list[row] else "length",
+                    tokens=tokens[row][:n],
+                    logprobs=logprobs[row][:n],
+                )
+            )
+            row += 1
+    return [SampleResponse(sequences=sequences[i], prompt_logprobs=prompt_logprobs.get(i)) for i in range(len(items))]
