@@ -18,7 +18,7 @@ from bios import types as t
 from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath, check_name
-from bios.exceptions import BadRequestError, NotFoundError
+from bios.exceptions import ERROR_TYPES, BadRequestError, BiosAPIError, NotFoundError
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 from bios.validation import validate_adam_params, validate_forward_backward, validate_lora_rank, validate_sample
@@ -156,7 +156,7 @@ class Scheduler(Actor):
                 )
         try:
             op = self._prepare(op, run, sub.owner)
-        except BadRequestError as exc:
+        except BiosAPIError as exc:  # rejected: the seq_id is used up, so the run's queue moves past it
             self._reject(request_id, model_id, seq_id, op, exc)
             run.enqueue(seq_id, Queued(request_id, op, rejected=True))
             if isinstance(op, m.CreateModel):
@@ -180,7 +180,7 @@ class Scheduler(Actor):
         sampler = self._sampler_for(op.sampling_session_id, sub.owner)
         try:
             validate_sample(op.prompt, op.num_samples, op.sampling_params, self.base_infos.get(sampler.base_model))
-        except BadRequestError as exc:
+        except BiosAPIError as exc:
             self._reject(request_id, op.sampling_session_id, op.seq_id, op, exc)
             raise
         op = dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path)
@@ -190,7 +190,7 @@ class Scheduler(Actor):
         self.on_work()
         return m.Accepted(request_id)
 
-    def _reject(self, request_id: str, model_id: str, seq_id: int, op: Any, exc: BadRequestError) -> None:
+    def _reject(self, request_id: str, model_id: str, seq_id: int, op: Any, exc: BiosAPIError) -> None:
         exc.request_id = request_id
         frames = self._encode_done(m.RequestDone(request_id, error=RemoteError.from_exception(exc)))
         self.store.add_rejected(request_id, model_id, seq_id, type(op).__name__, frames)
@@ -198,7 +198,8 @@ class Scheduler(Actor):
     async def _resubmitted(self, peer: bytes, stored: Any) -> m.Accepted:
         if stored.status == "rejected":
             error = self.codec.decode(stored.result).body.error
-            raise BadRequestError(error.message, field=error.field, request_id=stored.request_id)
+            raise ERROR_TYPES.get(error.type, BadRequestError)(error.message, field=error.field,
+                                                               request_id=stored.request_id)
         if stored.result is not None:
             await self.push(peer, stored.result)
         else:

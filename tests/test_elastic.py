@@ -1,0 +1,143 @@
+"""Many workers: data parallelism, joins, graceful leaves, SIGKILLs mid-cycle, and losing the whole pool."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import BASE, text_datum
+
+import bios
+from bios import types
+
+BATCH = [text_datum(f"Data parallel sentence number {i}, long enough to take a while to run.") for i in range(12)]
+PARAMS = types.AdamParams(learning_rate=1e-2)
+
+
+def _train(tc, steps):
+    futures = []
+    for _ in range(steps):
+        futures.append(tc.forward_backward(BATCH))
+        futures.append(tc.optim_step(PARAMS))
+    return futures
+
+
+def _weights(service, tc):
+    path = tc.save_state().result(120).path
+    return service.create_rest_client().download_checkpoint(path).result().adapter
+
+
+def _assert_same_weights(a, b, rtol=1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = np.linalg.norm(a[key] - b[key])
+        assert diff <= rtol * max(np.linalg.norm(b[key]), 1e-12), key
+
+
+def _wait_for_workers(service, n, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(w.state == "ready" for w in service.cluster_status().workers) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} workers came up")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Five steps on one worker, and its weights: what every elastic run below must reproduce."""
+    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        losses = [f.result(120).loss for f in _train(tc, 5)[0::2]]
+        ten = [f.result(120).loss for f in _train(tc, 5)[0::2]]
+        return losses, losses + ten, _weights(svc, tc)
+
+
+@pytest.mark.e2e
+def test_two_workers_equal_one(reference):
+    losses, _, _ = reference
+    with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        got = [f.result(120).loss for f in _train(tc, 5)[0::2]]
+        assert got == pytest.approx(losses, rel=1e-5)
+        assert svc.cluster_status().generation >= 2
+
+
+@pytest.mark.e2e
+def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
+    _, losses, weights = reference
+    rng = random.Random(7)
+    with bios.LocalCluster(workers=2, worker_threads=1, heartbeat_timeout_s=3.0) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        futures = []
+        for step in range(10):
+            if step == 5:
+                cluster.add_worker()  # 2 workers, then 3
+                _wait_for_workers(svc, 3)
+            futures += _train(tc, 1)
+            time.sleep(rng.uniform(0.0, 0.3))
+            victim = rng.choice([w for w in cluster.workers if w.poll() is None])
+            victim.send_signal(signal.SIGKILL)
+            cluster.add_worker()
+            futures[-1].result(180)  # this step committed on the survivors
+        got = [f.result(180).loss for f in futures[0::2]]
+        steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
+        assert steps == list(range(1, 11))  # every optim_step ran exactly once, in order
+        assert got == pytest.approx(losses, rel=1e-5)
+        _assert_same_weights(_weights(svc, tc), weights)
+        assert svc.cluster_status().generation >= 20
+
+
+@pytest.mark.e2e
+def test_graceful_leave_aborts_no_cycle(reference):
+    losses, _, _ = reference
+    with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        futures = _train(tc, 2)
+        cluster.workers[1].send_signal(signal.SIGTERM)
+        futures += _train(tc, 3)
+        assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
+        assert cluster.workers[1].wait(60) == 0
+        log = (cluster.state_dir / "coordinator.log").read_text()
+        assert "aborted" not in log
+
+
+@pytest.mark.e2e
+def test_losing_every_worker_resumes_from_the_automatic_checkpoint():
+    with bios.LocalCluster(workers=1, worker_threads=1, checkpoint_every=2, heartbeat_timeout_s=2.0) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=52)
+        for f in _train(tc, 4):
+            f.result(120)
+        assert [c.bios_path.rsplit("/", 1)[-1] for c in
+                svc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints] == \
+            ["auto-000002", "auto-000004"]
+        before = tc.forward(BATCH).result(60).loss
+        cluster.workers[0].send_signal(signal.SIGKILL)
+        cluster.workers[0].wait()
+        pending = tc.forward(BATCH)  # queued while no worker is alive
+        time.sleep(3.0)
+        assert not pending.done()
+        cluster.add_worker()
+        assert pending.result(180).loss == pytest.approx(before, rel=1e-6)  # state of step 4, restored
+        assert tc.forward_backward(BATCH).result(60).loss == pytest.approx(before, rel=1e-6)
+
+
+def test_four_runs_share_one_base_model_and_one_cycle(ticking_service):
+    service = ticking_service
+    clients = [service.create_lora_training_client(BASE, rank=8, seed=60 + i) for i in range(4)]
+    before = service.cluster_status().cycles_run
+    together = [tc.forward_backward(BATCH[i:i + 3]) for i, tc in enumerate(clients)]
+    results = [f.result(60) for f in together]
+    assert service.cluster_status().cycles_run - before == 1
+    for i in range(4):  # each equals the same run trained alone
+        alone = service.create_lora_training_client(BASE, rank=8, seed=60 + i)
+        assert alone.forward_backward(BATCH[i:i + 3]).result(60).loss == pytest.approx(results[i].loss, rel=1e-6)
+    assert len(service.cluster_status().workers) == 1  # one worker: one copy of the base weights
