@@ -22,9 +22,9 @@ def _prompt(text: str) -> types.ModelInput:
 def memorized(service):
     tc = service.create_lora_training_client(BASE, rank=16, seed=41)
     datum = text_datum(SENTENCE)
-    for _ in range(60):
+    for _ in range(80):
         tc.forward_backward([datum])
-        tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        tc.optim_step(types.AdamParams(learning_rate=3e-3))
     return tc, tc.save_weights_and_get_sampling_client("memorized")
 
 
@@ -118,7 +118,7 @@ def test_forward_backward_custom_matches_a_hand_written_gradient(service):
 
     def loss_fn(batch, logprobs):
         loss = sum((lp.exp() * torch.arange(len(lp))).sum() for lp in logprobs)
-        return loss, {"mean_logprob:mean": float(torch.cat(logprobs).mean())}
+        return loss, {"mean_logprob:mean": float(torch.cat(logprobs).detach().mean())}
 
     custom = service.create_lora_training_client(BASE, rank=8, seed=42)
     manual = service.create_lora_training_client(BASE, rank=8, seed=42)
@@ -142,15 +142,15 @@ def test_forward_backward_custom_matches_a_hand_written_gradient(service):
 
 
 def test_rl_loop_raises_the_reward(service):
-    """Sample → reward (share of 'a' bytes) → importance_sampling → optim_step, 20 iterations."""
+    """Sample → reward (share of lowercase letters) → importance_sampling → optim_step, 20 iterations."""
     tc = service.create_lora_training_client(BASE, rank=16, seed=43)
     prompt = _prompt("Say: ")
-    target = ord("a")
+    lowercase = set(range(ord("a"), ord("z") + 1))
     rewards = []
     for _ in range(20):
         sampler = tc.save_weights_and_get_sampling_client()
-        result = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=8, temperature=1.0)).result(60)
-        scores = [sum(t == target for t in s.tokens) / len(s.tokens) for s in result.sequences]
+        result = sampler.sample(prompt, 16, types.SamplingParams(max_tokens=8, temperature=1.0)).result(60)
+        scores = [sum(t in lowercase for t in s.tokens) / len(s.tokens) for s in result.sequences]
         mean = sum(scores) / len(scores)
         rewards.append(mean)
         data = []
@@ -166,5 +166,5 @@ def test_rl_loop_raises_the_reward(service):
                 },
             ))
         tc.forward_backward(data, "importance_sampling")
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(60)
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result(60)
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
