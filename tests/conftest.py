@@ -10,6 +10,8 @@ import pytest
 # Every process the tests start (coordinators, workers) writes built-in models into a private cache.
 os.environ.setdefault("BIOS_CACHE_DIR", tempfile.mkdtemp(prefix="bios-test-cache-"))
 os.environ.setdefault("BIOS_LOG_LEVEL", "INFO")
+# Two cores shared by the test process and its workers: more threads than cores make tiny ops crawl.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import bios  # noqa: E402
 from bios import types  # noqa: E402
@@ -28,7 +30,7 @@ def text_datum(text: str, weight: float = 1.0) -> types.Datum:
 
 @pytest.fixture(scope="session")
 def cluster():
-    with bios.LocalCluster(cycle_s=0.0) as c:
+    with bios.LocalCluster(cycle_s=0.0, worker_threads=1) as c:
         yield c
 
 
@@ -42,7 +44,7 @@ def service(cluster):
 @pytest.fixture(scope="session")
 def ticking_cluster():
     """A cluster whose clock ticks once a second, as a daemon's would (every 10 s by default)."""
-    with bios.LocalCluster(cycle_s=1.0) as c:
+    with bios.LocalCluster(cycle_s=1.0, worker_threads=1) as c:
         yield c
 
 

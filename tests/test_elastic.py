@@ -76,14 +76,17 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
         _wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         futures = []
+        size = 2
         for step in range(10):
             if step == 5:
-                cluster.add_worker()  # 2 workers, then 3
-                _wait_for_workers(svc, 3)
+                size = 3  # 2 workers, then 3
+                cluster.add_worker()
+            _wait_for_workers(svc, size)
             futures += _train(tc, 1)
             time.sleep(rng.uniform(0.0, 0.3))
             victim = rng.choice([w for w in cluster.workers if w.poll() is None])
             victim.send_signal(signal.SIGKILL)
+            victim.wait()
             cluster.add_worker()
             futures[-1].result(180)  # this step committed on the survivors
         got = [f.result(180).loss for f in futures[0::2]]

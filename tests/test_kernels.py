@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig
 from peft.tuners.lora import Linear as PeftLoraLinear
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from bios.kernels import cross_entropy as cross_entropy_module
@@ -84,7 +85,8 @@ def test_linear_cross_entropy_matches_naive(dtype, n, v, chunk_size, train_weigh
 @pytest.mark.parametrize("train_weight", [False, True])
 def test_linear_cross_entropy_with_lora_head(dtype, train_weight):
     hidden, weight, targets, grad_output, lora_a, lora_b = _ce_inputs(29, 16, 83, dtype, rank=4)
-    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)] + ([weight.requires_grad_()] if train_weight else [])
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    inputs += [weight.requires_grad_()] if train_weight else []
     logprobs = linear_cross_entropy(hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, lora_scale=0.5, chunk_size=8)
     expected = _naive_logprobs(hidden, weight, targets, lora_a, lora_b, 0.5)
     _close(logprobs, expected, TOLERANCE[dtype])
@@ -144,6 +146,36 @@ def test_linear_cross_entropy_no_grad_path_does_no_gradient_work(monkeypatch):
     _close(frozen, expected, 1e-7)
 
 
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_linear_cross_entropy_never_holds_more_than_one_chunk_of_logits(train_weight):
+    n, h, v, chunk = 64, 4, 50, 8  # hidden [n, h] and head [v, h] are smaller than a chunk of logits
+    hidden, weight, targets, grad_output, lora_a, lora_b = _ce_inputs(n, h, v, torch.float32, rank=2)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    inputs += [weight.requires_grad_()] if train_weight else []
+    with LargestTensor() as largest:
+        logprobs = linear_cross_entropy(hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, chunk_size=chunk)
+        torch.autograd.grad(logprobs, inputs, grad_output.float())
+    assert largest.numel == chunk * v
+    with LargestTensor() as naive:
+        _naive_logprobs(hidden, weight, targets, lora_a, lora_b)
+    assert naive.numel == n * v
+
+
 def test_linear_cross_entropy_backward_twice_with_retained_graph():
     hidden, weight, targets, grad_output, _, _ = _ce_inputs(12, 8, 30, torch.float64)
     hidden.requires_grad_()
@@ -156,8 +188,11 @@ def test_linear_cross_entropy_backward_twice_with_retained_graph():
 @pytest.mark.parametrize("train_weight", [False, True])
 def test_linear_cross_entropy_bf16(train_weight):
     hidden, weight, targets, grad_output, lora_a, lora_b = _ce_inputs(40, 32, 300, torch.bfloat16, rank=4)
-    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)] + ([weight.requires_grad_()] if train_weight else [])
-    logprobs = linear_cross_entropy(hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, lora_scale=0.5, chunk_size=16)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    inputs += [weight.requires_grad_()] if train_weight else []
+    logprobs = linear_cross_entropy(
+        hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, lora_scale=0.5, chunk_size=16
+    )
     assert logprobs.dtype == torch.float32
     grads = _grads(logprobs, inputs, grad_output.float())
     assert [g.dtype for g in grads] == [torch.bfloat16] * len(inputs)

@@ -83,14 +83,14 @@ class CycleRunner:
     async def run_forever(self) -> None:
         while True:
             await self.clock.next_tick()
+            members = await self._current_generation()  # form first: a lost run's work is never selected
             items: list[m.WorkItem] = await self.scheduler.ask(SelectWork())
             if items:
-                await self._run_cycle(items)
+                await self._run_cycle(members, items)
 
     # ------------------------------------------------------------------------------------ cycles
 
-    async def _run_cycle(self, items: list[m.WorkItem]) -> None:
-        members = await self._current_generation()
+    async def _run_cycle(self, members: list[Member], items: list[m.WorkItem]) -> None:
         self._next_id += 1
         training = [i for i in items if not isinstance(i.op, m.Sample)]
         dealt: dict[str, list[m.WorkItem]] = {mb.worker_id: [] for mb in members}

@@ -27,49 +27,47 @@ _WIRE_DTYPES: dict[int, tuple[np.dtype, np.dtype]] = {
 _OUT_DTYPES: dict[str, int] = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
 
 
-def parse_forward_backward(body: bytes) -> tuple[m.ForwardBackward, dict[str, str]]:
-    """A `ForwardBackwardRequest` body as a Bios op, plus the config's text values (which Bios losses never take).
-
-    Raises BadRequestError naming the field for a body that is not the message, a missing model_id or seq_id,
-    a non-text chunk, or a tensor whose bytes do not match its dtype and shape.
-    """
+def decode_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    """The `ForwardBackwardRequest` in a request body; BadRequestError if the bytes are not one."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise BadRequestError(
-            f"the body is not a tinker_public.ForwardBackwardRequest protobuf ({exc}); send it with "
-            "Content-Type: application/x-protobuf",
-            field="body",
+            f"the body is not a tinker_public.ForwardBackwardRequest protobuf ({exc})", field="body"
         ) from None
     if not msg.model_id:
         raise BadRequestError("model_id is missing", field="model_id")
     if msg.seq_id < 1:
         raise BadRequestError(f"seq_id must be >= 1 (the first request after create_model is 1), got {msg.seq_id}",
                               field="seq_id")
+    return msg
+
+
+def forward_backward_op(msg: pb.ForwardBackwardRequest) -> m.ForwardBackward:
+    """The request as a Bios op. BadRequestError naming the field for a missing loss, a config text value (no
+    Bios loss takes one), a non-text chunk, or a tensor whose bytes do not match its dtype and shape.
+    """
     if not msg.loss_fn:
         raise BadRequestError("loss_fn is missing", field="loss_fn")
-    config, text = _loss_config(msg)
+    config = _loss_config(msg)
     data = [_datum(d, f"data[{i}]") for i, d in enumerate(msg.data)]
-    op = m.ForwardBackward(msg.model_id, msg.seq_id, data, msg.loss_fn, config or None, msg.forward_only)
-    return op, text
+    return m.ForwardBackward(msg.model_id, msg.seq_id, data, msg.loss_fn, config or None, msg.forward_only)
 
 
-def _loss_config(msg: pb.ForwardBackwardRequest) -> tuple[dict[str, float], dict[str, str]]:
-    """The v2 map when the client wrote it (it carries strings too), else the legacy number map."""
+def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
+    """The v2 map when the client wrote it (it can carry text), else the legacy number map."""
     if not msg.loss_fn_config_v2:
-        return {key: float(value) for key, value in msg.loss_fn_config.items()}, {}
+        return {key: float(value) for key, value in msg.loss_fn_config.items()}
     numbers: dict[str, float] = {}
-    text: dict[str, str] = {}
     for key, value in msg.loss_fn_config_v2.items():
-        kind = value.WhichOneof("value")
-        if kind == "text":
-            text[key] = value.text
-        elif kind == "number":
-            numbers[key] = value.number
-        else:
-            raise BadRequestError(f"loss_fn_config[{key!r}] has no value", field=f"loss_fn_config.{key}")
-    return numbers, text
+        if value.WhichOneof("value") != "number":
+            raise BadRequestError(
+                f"loss_fn_config[{key!r}] must be a number: no Bios loss takes text configuration",
+                field=f"loss_fn_config.{key}",
+            )
+        numbers[key] = value.number
+    return numbers
 
 
 def _datum(msg: pb.Datum, where: str) -> t.Datum:

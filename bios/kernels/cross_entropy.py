@@ -94,11 +94,29 @@ def _result_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
-    logits = h @ weight.T
-    if lora_a is not None:
-        logits.addmm_(h @ lora_a.to(h.dtype).T, lora_b.to(h.dtype).T, alpha=lora_scale)
-    return logits.to(_result_dtype(h.dtype))
+class _LogitsBuffer:
+    """One chunk's worth of logits memory, reused by every chunk of a call.
+
+    A fresh 100+ MiB tensor per chunk would be handed back to the OS on free and page-faulted in again by the
+    next chunk (on CPU that costs as much as the chunk's elementwise work). bf16/fp16 heads also get an fp32
+    buffer for the softmax; the low-precision one is reused for the gradient matmul's input.
+    """
+
+    def __init__(self, rows: int, weight: torch.Tensor):
+        self.matmul = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        result_dtype = _result_dtype(weight.dtype)
+        self.softmax = (
+            self.matmul if result_dtype == weight.dtype else torch.empty_like(self.matmul, dtype=result_dtype)
+        )
+
+    def logits(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
+        logits = torch.mm(h, weight.T, out=self.matmul[: h.shape[0]])
+        if lora_a is not None:
+            logits.addmm_(h @ lora_a.to(h.dtype).T, lora_b.to(h.dtype).T, alpha=lora_scale)
+        return logits if self.softmax is self.matmul else self.softmax[: h.shape[0]].copy_(logits)
+
+    def in_matmul_dtype(self, dlogits: torch.Tensor) -> torch.Tensor:
+        return dlogits if self.softmax is self.matmul else self.matmul[: dlogits.shape[0]].copy_(dlogits)
 
 
 def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grad_hidden=None):
@@ -107,19 +125,20 @@ def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, 
     dtype = _result_dtype(hidden.dtype)
     logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
     lse = torch.empty(n, dtype=dtype, device=hidden.device)
+    buffer = _LogitsBuffer(min(chunk, n), weight)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
         _forward_chunk_(
-            logprobs[rows], lse[rows], None if grad_hidden is None else grad_hidden[rows],
+            buffer, logprobs[rows], lse[rows], None if grad_hidden is None else grad_hidden[rows],
             hidden[rows], weight, targets[rows], lora_a, lora_b, lora_scale,
         )
     return logprobs, lse
 
 
-def _forward_chunk_(logprobs, lse, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
-    """One chunk, results written in place (a function of its own so its logits die before the next chunk's)."""
+def _forward_chunk_(buffer, logprobs, lse, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
+    """One chunk; log-probs, log-sum-exps and (if wanted) d log p / d hidden are written in place."""
     t = targets[:, None]
-    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
+    logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
     target_logit = logits.gather(1, t).squeeze(1)
     row_max = logits.amax(dim=1, keepdim=True)
     probs = logits.sub_(row_max).exp_()  # unnormalised softmax, in the logits' memory
@@ -130,26 +149,25 @@ def _forward_chunk_(logprobs, lse, grad_hidden, h, weight, targets, lora_a, lora
         return
     dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
     dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
-    _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
+    _grad_hidden_chunk_(grad_hidden, buffer.in_matmul_dtype(dlogits), weight, lora_a, lora_b, lora_scale)
 
 
 def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
-    """out = d logits @ d(logits)/d(hidden) for one chunk, written in place."""
-    dlogits = dlogits.to(out.dtype)
+    """out = d logits @ d(logits)/d(hidden) for one chunk, written in place; dlogits in the head's dtype."""
     torch.mm(dlogits, weight, out=out)
     if lora_a is not None:
         out.addmm_(dlogits @ lora_b.to(out.dtype), lora_a.to(out.dtype), alpha=lora_scale)
 
 
-def _chunk_backward_(grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
+def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
     """One chunk of the trainable-head backward: recomputes the logits and accumulates into `grads` in place."""
     grad_hidden, grad_weight, grad_a, grad_b = grads
     g = grad_logprobs[:, None]
-    logits = _chunk_logits(h, weight, lora_a, lora_b, lora_scale)
+    logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
     dlogits = logits.sub_(lse[:, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
     dlogits.scatter_add_(1, targets[:, None], g.to(logits.dtype))
     if grad_hidden is not None:
-        _grad_hidden_chunk_(grad_hidden, dlogits, weight, lora_a, lora_b, lora_scale)
+        _grad_hidden_chunk_(grad_hidden, buffer.in_matmul_dtype(dlogits), weight, lora_a, lora_b, lora_scale)
     h = h.to(dlogits.dtype)
     if grad_weight is not None:
         grad_weight.addmm_(dlogits.T, h)
@@ -188,10 +206,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         grad_weight, grad_a, grad_b = zeros(weight, need_w), zeros(lora_a, need_a), zeros(lora_b, need_b)
         n = hidden.shape[0]
+        buffer = _LogitsBuffer(min(ctx.chunk, n), weight)
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
             _chunk_backward_(
-                (None if grad_hidden is None else grad_hidden[rows], grad_weight, grad_a, grad_b),
+                buffer, (None if grad_hidden is None else grad_hidden[rows], grad_weight, grad_a, grad_b),
                 grad_logprobs[rows], hidden[rows], weight, targets[rows], lse[rows], lora_a, lora_b, ctx.lora_scale,
             )
         return (

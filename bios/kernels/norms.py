@@ -37,16 +37,16 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, inv_rms = ctx.saved_tensors
         dtype = _compute_dtype(x.dtype)
         x_hat = x.to(dtype) * inv_rms
+        grad_times_x_hat = (grad_y * x_hat.to(x.dtype)).to(dtype)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            rows = (grad_y * x_hat.to(x.dtype)).to(dtype)
-            grad_weight = rows.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            grad_weight = grad_times_x_hat.reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
+            # d/dx of x * r(x), r = mean(x^2)^-1/2, with upstream h = grad_y * weight: r * (h - x_hat * mean(h * x_hat))
+            projection = grad_times_x_hat.mul_(weight).mean(-1, keepdim=True)
             grad_x_hat = (grad_y * weight).to(dtype)
-            # d/dx of x * r(x), r = mean(x^2)^-1/2: r * (g - x_hat * mean(g * x_hat))
-            projection = (grad_x_hat * x_hat).mean(-1, keepdim=True)
-            grad_x = grad_x_hat.sub_(x_hat.mul_(projection)).mul_(inv_rms).to(x.dtype)
+            grad_x = grad_x_hat.addcmul_(x_hat, projection, value=-1).mul_(inv_rms).to(x.dtype)
         return grad_x, grad_weight, None
 
 
@@ -68,14 +68,10 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         gate, up = ctx.saved_tensors
-        dtype = _compute_dtype(gate.dtype)
-        gate = gate.to(dtype)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_up = (grad_y * silu.to(up.dtype)) if ctx.needs_input_grad[1] else None
+        grad_up = F.silu(gate).mul_(grad_y) if ctx.needs_input_grad[1] else None
         grad_gate = None
         if ctx.needs_input_grad[0]:
-            # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))) = sigmoid(g) * (1 + g - silu(g))
-            d_silu = silu.neg_().add_(gate).add_(1).mul_(sig)
-            grad_gate = d_silu.mul_(grad_y).mul_(up).to(up.dtype)
+            # the same rounding steps as autograd through `silu(gate) * up`: grad_y * up, then silu's backward
+            grad_gate = grad_y * up
+            torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_gate, grad_up

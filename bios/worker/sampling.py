@@ -1,7 +1,7 @@
 """Sampling as a plain function: every row of every request of one base model in one KV-cached batch.
 
 `generate` takes the sample requests a cycle collected for one base model, each with its own adapter (or
-none), prompt, sample count and `SamplingParams`. Each distinct prompt is prefilled once (left padded, with
+none), prompt, sample count and `SamplingParams`. Each request's prompt is prefilled once (left padded, with
 an attention mask and position ids that skip the pads) and its cache is repeated for its samples; then one
 decode step per token runs all unfinished rows together, rows of one adapter contiguous so each LoRA layer
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
@@ -25,6 +25,7 @@ import math
 import secrets
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,9 @@ from bios.exceptions import BadRequestError
 from bios.types import BaseModelInfo, SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
 from bios.worker.lora import active_adapters, attach_lora
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
 # chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
@@ -165,13 +169,14 @@ def row_seed(seed: int, sample_index: int) -> int:
 
 
 def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
-    """None: EOS (if the model has one). An explicit list replaces EOS: `[]` never stops early, token ids stop
-    on those ids only, strings stop on text only."""
-    if stop is None:
-        return [] if eos_token_id is None else [eos_token_id]
-    if isinstance(stop, (list, tuple)) and stop and all(_is_int(s) for s in stop):
-        return list(stop)
-    return []
+    """EOS always stops, as in the Tinker API, except with `stop=[]`, which never stops early. Stop token ids
+    and stop strings add to EOS."""
+    if isinstance(stop, (list, tuple)) and not stop:
+        return []
+    eos = [] if eos_token_id is None else [eos_token_id]
+    if isinstance(stop, (list, tuple)) and all(_is_int(s) for s in stop):
+        return eos + [int(s) for s in stop if int(s) not in eos]
+    return eos
 
 
 def _stop_strings(stop: object) -> list[str]:
@@ -192,7 +197,7 @@ class _Rows:
     row: Tensor  # [B] int64
     inv_temperature: Tensor  # [B] float32, 1 for greedy rows
     greedy: Tensor  # [B] bool
-    top_k: Tensor  # [B] int64, vocab size when off
+    top_k: Tensor  # [B] int64, 2**62 when off
     top_p: Tensor  # [B] float32, 2 when off (keeps everything despite rounding in the cumulative sum)
     max_new: Tensor  # [B] int64
     position: Tensor  # [B] int64, position of the first sampled token (the prompt length)
@@ -200,6 +205,11 @@ class _Rows:
     uniforms: Tensor  # [B, max steps] float32
     attention_mask: Tensor  # [B, padded prompt + max steps] int64
     adapters: list[AdapterState | None]
+    # Whether any row of the batch as built is greedy / sampled / top-k or top-p filtered (kept on compaction:
+    # a flag that is no longer needed only costs a little work).
+    any_greedy: bool
+    any_sampled: bool
+    any_filtered: bool
 
     def select(self, keep: Tensor) -> _Rows:
         indices = keep.tolist()
@@ -215,6 +225,9 @@ class _Rows:
             uniforms=self.uniforms[keep],
             attention_mask=self.attention_mask[keep],
             adapters=[self.adapters[i] for i in indices],
+            any_greedy=self.any_greedy,
+            any_sampled=self.any_sampled,
+            any_filtered=self.any_filtered,
         )
 
 
@@ -235,7 +248,7 @@ def _adapter_segments(adapters: list[AdapterState | None]) -> list[tuple[int, in
 
 
 def _inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
-    """Index drawn from each row's distribution `exp(logp)` with one uniform per row, shape [B, 1].
+    """Token id drawn from each row's distribution `exp(logp)` with one uniform per row, shape [B, 1].
 
     `right=True` returns the first index whose CDF exceeds the target, which never is a zero-probability
     token as long as the target stays below the total (hence the clamp just under it).
@@ -247,36 +260,39 @@ def _inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
     return index.clamp_(max=logp.shape[-1] - 1)
 
 
-def choose_tokens(logits: Tensor, rows: _Rows, step: int, *, filtered: bool, sampled: bool) -> tuple[Tensor, Tensor]:
+def _kept_tokens(scaled: Tensor, rows: _Rows) -> Tensor:
+    """[B, V] mask of the top-k tokens, then of the smallest set of those whose renormalised mass reaches
+    top_p (the token that crosses top_p is kept). Rows with neither keep everything."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.shape[-1], device=scaled.device)
+    keep_sorted = ranks[None, :] < rows.top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+    keep_sorted &= (probs.cumsum(dim=-1) - probs) < rows.top_p[:, None]
+    return torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def _choose_tokens(logits: Tensor, rows: _Rows, step: int) -> tuple[Tensor, Tensor]:
     """Next token and its logprob (see the module docstring) for every row of `logits` [B, V] (fp32).
 
-    `filtered`: some row uses top-k or top-p (the others keep everything); `sampled`: some row has
-    temperature > 0. Both are decided once per batch so the common cases skip the sort or the draw.
+    The batch-wide flags of `rows` let the common cases skip work: no sort unless some row uses top-k or
+    top-p, no draw when every row is greedy. The draw always walks the vocabulary in id order, so a row's
+    token never depends on its batch-mates.
     """
-    model_logp = torch.log_softmax(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1, keepdim=True)
-    if not sampled:
-        return greedy_tokens.squeeze(1), model_logp.gather(1, greedy_tokens).squeeze(1)
-    uniforms = rows.uniforms[:, step]
+    if rows.any_greedy:
+        greedy_tokens = logits.argmax(dim=-1, keepdim=True)
+        greedy_logp = logits.gather(1, greedy_tokens) - torch.logsumexp(logits, dim=-1, keepdim=True)
+        if not rows.any_sampled:
+            return greedy_tokens.squeeze(1), greedy_logp.squeeze(1)
     scaled = logits * rows.inv_temperature[:, None]
-    if filtered:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
-        sorted_logits.masked_fill_(ranks[None, :] >= rows.top_k[:, None], -math.inf)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits.masked_fill_(mass_before >= rows.top_p[:, None], -math.inf)
-        logp = torch.log_softmax(sorted_logits, dim=-1)
-        position = _inverse_cdf(logp, uniforms)
-        tokens = order.gather(1, position)
-    else:
-        logp = torch.log_softmax(scaled, dim=-1)
-        position = _inverse_cdf(logp, uniforms)
-        tokens = position
-    token_logp = logp.gather(1, position)
-    greedy = rows.greedy[:, None]
-    tokens = torch.where(greedy, greedy_tokens, tokens)
-    token_logp = torch.where(greedy, model_logp.gather(1, greedy_tokens), token_logp)
+    if rows.any_filtered:
+        scaled = scaled.masked_fill(~_kept_tokens(scaled, rows), -math.inf)
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = _inverse_cdf(logp, rows.uniforms[:, step])
+    token_logp = logp.gather(1, tokens)
+    if rows.any_greedy:
+        greedy = rows.greedy[:, None]
+        tokens = torch.where(greedy, greedy_tokens, tokens)
+        token_logp = torch.where(greedy, greedy_logp, token_logp)
     return tokens.squeeze(1), token_logp.squeeze(1)
 
 
@@ -284,7 +300,11 @@ def choose_tokens(logits: Tensor, rows: _Rows, step: int, *, filtered: bool, sam
 
 
 def generate(
-    model: nn.Module, tokenizer: object, items: list[SampleItem], *, eos_token_id: int | None
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    items: list[SampleItem],
+    *,
+    eos_token_id: int | None,
 ) -> list[SampleResponse]:
     """Sample every item (all rows in one batch); one `SampleResponse` per item, in order.
 
@@ -324,14 +344,39 @@ def _grouped_order(items: list[SampleItem]) -> list[int]:
 
 
 def _generate(
-    model: nn.Module, tokenizer: object, items: list[SampleItem], *, eos_token_id: int | None, context: int
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    items: list[SampleItem],
+    *,
+    eos_token_id: int | None,
+    context: int,
 ) -> list[SampleResponse]:
-    device = model.get_input_embeddings().weight.device
-    lm_head = model.get_output_embeddings()
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
+    cache, logits, prompt_mask, prompt_logprobs = _prefill(model, ordered)
+    # One row per sample; a request's samples share its prefilled cache.
+    counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
+    expand = torch.repeat_interleave(torch.arange(len(ordered), device=logits.device), counts)
+    cache.reorder_cache(expand)
+    lengths = [len(item.prompt) for item in ordered]
+    rows, string_stops = _build_rows(ordered, prompt_mask[expand], lengths, eos_token_id, context, logits.device)
+    tokens, logprobs, finished_at, stopped = _decode(
+        model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
+    )
+    return _responses(
+        items, order, tokens, logprobs, finished_at, stopped, {order[i]: lp for i, lp in prompt_logprobs.items()}
+    )
 
-    # Prefill: each distinct request's prompt once, left padded so every row's last position is real.
+
+def _prefill(
+    model: nn.Module, ordered: list[SampleItem]
+) -> tuple[DynamicCache, Tensor, Tensor, dict[int, list[float | None]]]:
+    """Run each request's prompt once, left padded so every row's last position is real.
+
+    Returns the cache, the next-token logits [requests, V], the prompt attention mask and the prompt
+    logprobs of the requests that asked for them (by position in `ordered`).
+    """
+    device = model.get_input_embeddings().weight.device
     lengths = [len(item.prompt) for item in ordered]
     padded = max(lengths)
     input_ids = torch.zeros(len(ordered), padded, dtype=torch.int64)
@@ -344,53 +389,61 @@ def _generate(
     cache = DynamicCache(config=model.config)
     with active_adapters(model, _adapter_segments([item.adapter for item in ordered])):
         hidden = model.base_model(
-            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=input_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state
-        logits = lm_head(hidden[:, -1]).float()
+        logits = model.get_output_embeddings()(hidden[:, -1]).float()
     prompt_logprobs = {
-        order[i]: _prompt_logprobs(model, hidden[i, padded - lengths[i] :], item)
+        i: _prompt_logprobs(model, hidden[i, padded - lengths[i] :], item)
         for i, item in enumerate(ordered)
         if item.prompt_logprobs
     }
-    del hidden
+    return cache, logits, prompt_mask, prompt_logprobs
 
-    # One row per sample; a request's samples share its prefilled cache.
-    counts = torch.tensor([item.num_samples for item in ordered], device=device)
-    expand = torch.repeat_interleave(torch.arange(len(ordered), device=device), counts)
-    cache.reorder_cache(expand)
-    logits = logits[expand]
-    rows, string_stops = _build_rows(ordered, prompt_mask[expand], lengths, eos_token_id, context, device)
-    total_rows = rows.row.numel()
-    steps = rows.uniforms.shape[1]
-    greedy_all = bool(rows.greedy.all())
-    filtered = bool(((rows.top_k < logits.shape[-1]) | (rows.top_p <= 1)).logical_and(~rows.greedy).any())
 
+def _decode(
+    model: nn.Module,
+    cache: DynamicCache,
+    logits: Tensor,
+    rows: _Rows,
+    padded: int,
+    tokenizer: PreTrainedTokenizerBase | None,
+    string_stops: dict[int, list[str]],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The token loop: choose, record, check stops, drop finished rows now and then, run one step.
+
+    Returns per row: tokens and logprobs [rows, steps] (valid up to the row's length), its length, and
+    whether it stopped on a stop condition (else it reached max_tokens).
+    """
+    lm_head = model.get_output_embeddings()
+    total_rows, steps = rows.uniforms.shape
+    device = logits.device
     out_tokens = torch.zeros(total_rows, steps, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(total_rows, steps, dtype=torch.float32, device=device)
-    lengths_out = torch.zeros(total_rows, dtype=torch.int64, device=device)
+    finished_at = torch.zeros(total_rows, dtype=torch.int64, device=device)
     stopped = torch.zeros(total_rows, dtype=torch.bool, device=device)
-    generated_text_tokens: dict[int, list[int]] = {row: [] for row in string_stops}
+    generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
-
+    live = total_rows
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters)))
         for step in range(steps):
-            tokens, token_logp = choose_tokens(logits, rows, step, filtered=filtered, sampled=not greedy_all)
+            tokens, token_logp = _choose_tokens(logits, rows, step)
             out_tokens[rows.row, step] = tokens
             out_logprobs[rows.row, step] = token_logp
-            hit_stop = (
-                (tokens[:, None] == rows.stop_ids).any(dim=-1) if rows.stop_ids.shape[1] else torch.zeros_like(alive)
-            )
-            if generated_text_tokens:
-                hit_stop = hit_stop | _string_stop_hits(
-                    tokenizer, tokens, rows, alive, string_stops, generated_text_tokens
-                )
+            hit_stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
+            if generated:
+                hit_stop |= _string_stop_hits(tokenizer, tokens, rows, alive, string_stops, generated)
             new_stop = alive & hit_stop
             finished = new_stop | (alive & (rows.max_new <= step + 1))
-            lengths_out[rows.row[finished]] = step + 1
-            stopped[rows.row[new_stop]] = True
             alive = alive & ~finished
-            live = int(alive.sum())
+            previously_live, live = live, int(alive.sum())
+            if live < previously_live:
+                finished_at[rows.row[finished]] = step + 1
+                stopped[rows.row[new_stop]] = True
             if live == 0:
                 break
             if live <= _COMPACT_WHEN_ALIVE * alive.numel():
@@ -407,8 +460,7 @@ def _generate(
                 use_cache=True,
             ).last_hidden_state
             logits = lm_head(hidden[:, -1]).float()
-
-    return _responses(items, order, out_tokens, out_logprobs, lengths_out, stopped, prompt_logprobs)
+    return out_tokens, out_logprobs, finished_at, stopped
 
 
 def _build_rows(
@@ -420,42 +472,41 @@ def _build_rows(
     device: torch.device,
 ) -> tuple[_Rows, dict[int, list[str]]]:
     """Per-row tensors for the decode loop, and the stop strings of rows that have any (by row)."""
-    vocab_limit = 2**62
+    no_top_k = 2**62
     inv_temperature, greedy, top_k, top_p, max_new, position, stop_ids, adapters = [], [], [], [], [], [], [], []
+    uniforms: list[Tensor] = []
     string_stops: dict[int, list[str]] = {}
+    any_filtered = False
     for item, length in zip(ordered, lengths):
         params = item.params
         new_tokens = resolved_max_tokens(length, params, context)
-        for _ in range(item.num_samples):
-            row = len(greedy)
-            greedy.append(params.temperature == 0)
-            inv_temperature.append(1.0 if params.temperature == 0 else 1.0 / params.temperature)
-            top_k.append(vocab_limit if params.top_k == -1 else params.top_k)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        is_greedy = params.temperature == 0
+        any_filtered |= not is_greedy and (params.top_k != -1 or params.top_p < 1)
+        strings = _stop_strings(params.stop)
+        for sample_index in range(item.num_samples):
+            if strings:
+                string_stops[len(greedy)] = strings
+            greedy.append(is_greedy)
+            inv_temperature.append(1.0 if is_greedy else 1.0 / params.temperature)
+            top_k.append(no_top_k if params.top_k == -1 else params.top_k)
             top_p.append(2.0 if params.top_p >= 1 else params.top_p)
             max_new.append(new_tokens)
             position.append(length)
             stop_ids.append(_stop_token_ids(params.stop, eos_token_id))
             adapters.append(item.adapter)
-            strings = _stop_strings(params.stop)
-            if strings:
-                string_stops[row] = strings
-    steps = max(max_new)
-    uniforms = torch.zeros(len(greedy), steps, dtype=torch.float32)
-    row = 0
-    for item in ordered:
-        seed = item.params.seed if item.params.seed is not None else secrets.randbits(63)
-        for sample_index in range(item.num_samples):
-            if item.params.temperature > 0:
+            if not is_greedy:
                 generator = torch.Generator().manual_seed(row_seed(seed, sample_index))
-                uniforms[row, : max_new[row]] = torch.rand(max_new[row], generator=generator)
-            row += 1
-    width = max(len(ids) for ids in stop_ids)
-    stop_table = torch.full((len(greedy), width), -1, dtype=torch.int64)
-    for row, ids in enumerate(stop_ids):
+                uniforms.append(torch.rand(new_tokens, generator=generator))
+            else:
+                uniforms.append(torch.zeros(0))
+    steps = max(max_new)
+    uniform_table = torch.zeros(len(greedy), steps, dtype=torch.float32)
+    stop_table = torch.full((len(greedy), max(len(ids) for ids in stop_ids)), -1, dtype=torch.int64)
+    for row, (row_uniforms, ids) in enumerate(zip(uniforms, stop_ids)):
+        uniform_table[row, : row_uniforms.numel()] = row_uniforms
         stop_table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    attention_mask = torch.cat(
-        [prompt_mask, torch.ones(len(greedy), steps, dtype=torch.int64, device=device)], dim=1
-    )
+    attention_mask = torch.cat([prompt_mask, torch.ones(len(greedy), steps, dtype=torch.int64, device=device)], dim=1)
     rows = _Rows(
         row=torch.arange(len(greedy), device=device),
         inv_temperature=torch.tensor(inv_temperature, dtype=torch.float32, device=device),
@@ -465,15 +516,18 @@ def _build_rows(
         max_new=torch.tensor(max_new, dtype=torch.int64, device=device),
         position=torch.tensor(position, dtype=torch.int64, device=device),
         stop_ids=stop_table.to(device),
-        uniforms=uniforms.to(device),
+        uniforms=uniform_table.to(device),
         attention_mask=attention_mask,
         adapters=adapters,
+        any_greedy=any(greedy),
+        any_sampled=not all(greedy),
+        any_filtered=any_filtered,
     )
     return rows, string_stops
 
 
 def _string_stop_hits(
-    tokenizer: object,
+    tokenizer: PreTrainedTokenizerBase | None,
     tokens: Tensor,
     rows: _Rows,
     alive: Tensor,
@@ -492,7 +546,7 @@ def _string_stop_hits(
         if not is_alive or row not in string_stops:
             continue
         generated[row].append(token)
-        text = tokenizer.decode(generated[row])  # type: ignore[attr-defined]
+        text = tokenizer.decode(generated[row])
         if any(stop in text for stop in string_stops[row]):
             hits[position] = True
     return hits
@@ -519,12 +573,13 @@ def _responses(
     order: list[int],
     out_tokens: Tensor,
     out_logprobs: Tensor,
-    lengths: Tensor,
+    finished_at: Tensor,
     stopped: Tensor,
     prompt_logprobs: dict[int, list[float | None]],
 ) -> list[SampleResponse]:
+    """Rows back into one response per item, in the caller's item order."""
     tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
-    lengths_list, stopped_list = lengths.tolist(), stopped.tolist()
+    lengths_list, stopped_list = finished_at.tolist(), stopped.tolist()
     sequences: dict[int, list[SampledSequence]] = {}
     row = 0
     for index in order:

@@ -1,0 +1,305 @@
+"""JSON on the Tinker wire: request bodies into Bios messages, Bios results into the shapes the SDK validates.
+
+The SDK validates replies strictly (pydantic), so every shape here follows `tinker.types` field for field:
+literal `type` values are exact or absent, datetimes are ISO 8601, checkpoint paths are `tinker://`. Request
+fields are read leniently (unknown ones are ignored, so newer clients keep working) but typed strictly: a
+missing or mistyped field is a BadRequestError naming it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from bios import messages as m
+from bios import types as t
+from bios.actors.remote import RemoteError
+from bios.checkpoint_path import CheckpointPath
+from bios.exceptions import ERROR_TYPES, BadRequestError
+
+# Reductions the SDK's chunk combiner knows; a metric with any other suffix is dropped by the client.
+REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash2", "unique"})
+_REQUIRED = object()
+
+
+class Body:
+    """A JSON object's fields, read with their types checked; errors name the field (`where.name`)."""
+
+    def __init__(self, data: Any, where: str = "") -> None:
+        if not isinstance(data, dict):
+            raise BadRequestError(f"{where or 'the body'} must be a JSON object", field=where or "body")
+        self.data = data
+        self.where = where
+
+    def _field(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def _get(self, name: str, types: tuple[type, ...], what: str, default: Any) -> Any:
+        value = self.data.get(name)
+        if value is None:
+            if default is _REQUIRED:
+                raise BadRequestError(f"{self._field(name)} is required", field=self._field(name))
+            return default
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise BadRequestError(f"{self._field(name)} must be {what}, got {value!r}", field=self._field(name))
+        return value
+
+    def text(self, name: str, default: Any = _REQUIRED) -> Any:
+        return self._get(name, (str,), "a string", default)
+
+    def integer(self, name: str, default: Any = _REQUIRED) -> Any:
+        return self._get(name, (int,), "an integer", default)
+
+    def number(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(name, (int, float), "a number", default)
+        return float(value) if isinstance(value, int) else value
+
+    def flag(self, name: str, default: Any = _REQUIRED) -> Any:
+        return self._get(name, (bool,), "true or false", default)
+
+    def child(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(name, (dict,), "a JSON object", default)
+        return Body(value, self._field(name)) if isinstance(value, dict) else value
+
+    def array(self, name: str, default: Any = _REQUIRED) -> Any:
+        return self._get(name, (list,), "a list", default)
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+
+def create_model(body: Body) -> m.CreateModel:
+    _check_adamw(body)
+    lora = body.child("lora_config", None)
+    config = t.LoraConfig() if lora is None else t.LoraConfig(
+        rank=lora.integer("rank", 32),
+        seed=lora.integer("seed", None),
+        train_unembed=lora.flag("train_unembed", True),
+        train_mlp=lora.flag("train_mlp", True),
+        train_attn=lora.flag("train_attn", True),
+    )
+    return m.CreateModel(body.text("session_id"), body.integer("model_seq_id"), body.text("base_model"), config)
+
+
+def _check_adamw(body: Body, name: str = "optimizer_config") -> None:
+    optimizer = body.child(name, None)
+    if optimizer is not None and optimizer.text("type", "adamw") != "adamw":
+        raise BadRequestError(f"{name}.type {optimizer.data['type']!r} is not supported: Bios trains with AdamW",
+                              field=f"{name}.type")
+
+
+def load_weights(body: Body) -> m.LoadWeights | m.CreateModel:
+    """`model_id` + `seq_id`: load into a run. `session_id` + `model_seq_id`: a new run from the checkpoint."""
+    path, optimizer = body.text("path"), body.flag("optimizer", False)
+    if body.data.get("session_id") is not None:
+        _check_adamw(body)
+        return m.CreateModel(body.text("session_id"), body.integer("model_seq_id"), body.text("base_model", ""),
+                             t.LoraConfig(), from_path=path, with_optimizer=optimizer)
+    if body.data.get("model_id") is None:
+        raise BadRequestError("load_weights needs model_id and seq_id (load into a run) or session_id and "
+                              "model_seq_id (a new run from the checkpoint)", field="model_id")
+    return m.LoadWeights(body.text("model_id"), _seq_id(body), path, optimizer)
+
+
+def _seq_id(body: Body) -> int:
+    seq_id = body.integer("seq_id")
+    if seq_id < 1:
+        raise BadRequestError(f"seq_id must be >= 1 (the first request after create_model is 1), got {seq_id}",
+                              field="seq_id")
+    return seq_id
+
+
+def optim_step(body: Body) -> m.OptimStep:
+    name = next((n for n in ("adam_params", "optim_params", "optimizer_params") if body.data.get(n) is not None),
+                "adam_params")
+    params = body.child(name)
+    if params.text("type", "adam") not in ("adam", "adamw"):
+        raise BadRequestError(f"{name}.type {params.data['type']!r} is not supported: Bios trains with AdamW",
+                              field=f"{name}.type")
+    defaults = t.AdamParams()
+    adam = t.AdamParams(
+        learning_rate=params.number("learning_rate", defaults.learning_rate),
+        beta1=params.number("beta1", defaults.beta1),
+        beta2=params.number("beta2", defaults.beta2),
+        eps=params.number("eps", defaults.eps),
+        weight_decay=params.number("weight_decay", defaults.weight_decay),
+        grad_clip_norm=params.number("grad_clip_norm", defaults.grad_clip_norm),
+    )
+    return m.OptimStep(body.text("model_id"), _seq_id(body), adam)
+
+
+def save_weights(body: Body) -> m.SaveWeights:
+    return m.SaveWeights(body.text("model_id"), _seq_id(body), body.text("path"), "weights",
+                         overwrite=body.flag("overwrite", False))
+
+
+def save_weights_for_sampler(body: Body) -> tuple[m.SaveWeights, int | None]:
+    """A named save (`path`), or an unnamed one whose result opens sampling session `sampling_session_seq_id`."""
+    name = body.text("path", None)
+    sampling_seq = body.integer("sampling_session_seq_id", None)
+    if name is None and sampling_seq is None:
+        raise BadRequestError("save_weights_for_sampler needs a path (a checkpoint name) or a "
+                              "sampling_session_seq_id", field="path")
+    op = m.SaveWeights(body.text("model_id"), _seq_id(body), name, "sampler_weights")
+    return op, None if name is not None else sampling_seq
+
+
+def create_sampling_session(body: Body) -> m.CreateSamplingSession:
+    return m.CreateSamplingSession(body.text("session_id"), body.integer("sampling_session_seq_id"),
+                                   body.text("base_model", None), body.text("model_path", None))
+
+
+def sample(body: Body) -> tuple[m.Sample, int | None]:
+    """An asample request and its `prompt_logprobs_last_n`; what Bios cannot compute is refused, not ignored."""
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.integer(name, 0):
+            raise BadRequestError(f"{name} is not supported by Bios; send 0", field=name)
+    if body.data.get("target_prompt_logprobs") is not None:
+        raise BadRequestError("target_prompt_logprobs is not supported by Bios", field="target_prompt_logprobs")
+    sampling_session_id = body.text("sampling_session_id", None)
+    if sampling_session_id is None:
+        raise BadRequestError("sampling_session_id is required: create one with create_sampling_session",
+                              field="sampling_session_id")
+    prompt_logprobs = body.flag("prompt_logprobs", False)
+    last_n = body.integer("prompt_logprobs_last_n", None)
+    if last_n is not None and (last_n < 1 or not prompt_logprobs):
+        raise BadRequestError("prompt_logprobs_last_n must be >= 1 and needs prompt_logprobs",
+                              field="prompt_logprobs_last_n")
+    op = m.Sample(
+        sampling_session_id=sampling_session_id,
+        seq_id=body.integer("seq_id"),
+        prompt=model_input(body.child("prompt")),
+        num_samples=body.integer("num_samples", 1),
+        sampling_params=sampling_params(body.child("sampling_params")),
+        prompt_logprobs=prompt_logprobs,
+    )
+    return op, last_n
+
+
+def model_input(body: Body) -> t.ModelInput:
+    tokens: list[int] = []
+    for i, chunk in enumerate(body.array("chunks")):
+        part = Body(chunk, f"{body.where}.chunks[{i}]")
+        kind = part.text("type", "encoded_text")
+        if kind != "encoded_text":
+            raise BadRequestError(f"{part.where} is a {kind} chunk; Bios models take text tokens only",
+                                  field=part.where)
+        ids = part.array("tokens")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise BadRequestError(f"{part.where}.tokens must be integers", field=f"{part.where}.tokens")
+        tokens.extend(ids)
+    return t.ModelInput.from_ints(tokens)
+
+
+def sampling_params(body: Body) -> t.SamplingParams:
+    stop = body.data.get("stop")
+    valid = stop is None or isinstance(stop, str) or (
+        isinstance(stop, list) and (all(isinstance(s, str) for s in stop)
+                                    or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)))
+    if not valid:
+        raise BadRequestError(f"{body.where}.stop must be a string, a list of strings or a list of token ids",
+                              field=f"{body.where}.stop")
+    return t.SamplingParams(
+        max_tokens=body.integer("max_tokens", None),
+        seed=body.integer("seed", None),
+        stop=stop,
+        temperature=body.number("temperature", 1.0),
+        top_k=body.integer("top_k", -1),
+        top_p=body.number("top_p", 1.0),
+    )
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+def tinker_path(path: str | None) -> str | None:
+    """`bios://run/kind/name` as the `tinker://run/kind/name` Tinker clients expect."""
+    return None if path is None else f"tinker://{path.partition('://')[2]}"
+
+
+def tinker_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    """Every key as `name:reduction` with exactly one colon and a reduction the SDK combines (else `:mean`)."""
+    out: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        name, _, reduction = key.rpartition(":")
+        if not name or reduction not in REDUCTIONS:
+            name, reduction = key, "mean"
+        out[f"{name.replace(':', '_')}:{reduction}"] = float(value)
+    return out
+
+
+def failure(error: RemoteError) -> dict[str, str]:
+    """An async failure as retrieve_future reports it: the SDK raises RequestFailedError with this message."""
+    category = ERROR_TYPES.get(error.type, ERROR_TYPES["InternalServerError"]).category
+    message = error.message if error.field is None else f"{error.message} (field: {error.field})"
+    return {"error": message, "category": "user" if category == "user" else "server"}
+
+
+def _time(value: float) -> str:
+    return datetime.fromtimestamp(value, timezone.utc).isoformat()
+
+
+def get_info(info: t.GetInfoResponse) -> dict[str, Any]:
+    return {
+        "type": "get_info",
+        "model_id": info.model_id,
+        "model_data": {"arch": info.model_data.arch, "model_name": info.model_data.model_name,
+                       "tokenizer_id": info.model_data.tokenizer_id},
+        "optimizer_config": {"type": "adamw"},
+        "is_lora": info.is_lora,
+        "lora_rank": info.lora_rank,
+        "model_name": info.model_name,
+    }
+
+
+def checkpoint(ckpt: t.Checkpoint) -> dict[str, Any]:
+    return {
+        "checkpoint_id": ckpt.checkpoint_id,
+        "checkpoint_type": ckpt.checkpoint_type,
+        "time": _time(ckpt.time),
+        "tinker_path": tinker_path(ckpt.bios_path),
+        "size_bytes": ckpt.size_bytes,
+        "public": False,
+    }
+
+
+def training_run(run: t.TrainingRun) -> dict[str, Any]:
+    return {
+        "training_run_id": run.training_run_id,
+        "base_model": run.base_model,
+        "model_owner": run.model_owner,
+        "is_lora": run.is_lora,
+        "corrupted": False,
+        "lora_rank": run.lora_rank,
+        "last_request_time": _time(run.last_request_time),
+        "last_checkpoint": checkpoint(run.last_checkpoint) if run.last_checkpoint else None,
+        "last_sampler_checkpoint": checkpoint(run.last_sampler_checkpoint) if run.last_sampler_checkpoint else None,
+    }
+
+
+def training_runs(resp: t.TrainingRunsResponse) -> dict[str, Any]:
+    cursor = resp.cursor
+    return {"training_runs": [training_run(r) for r in resp.training_runs],
+            "cursor": {"offset": cursor.offset, "limit": cursor.limit, "total_count": cursor.total_count}}
+
+
+def weights_info(run: t.TrainingRun) -> dict[str, Any]:
+    return {"base_model": run.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
+            "lora_rank": run.lora_rank}
+
+
+def sampler(session: m.SamplingSession) -> dict[str, Any]:
+    return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
+            "model_path": tinker_path(session.model_path)}
+
+
+def capabilities(resp: t.GetServerCapabilitiesResponse) -> dict[str, Any]:
+    return {"supported_models": [{"model_name": s.model_name, "max_context_length": s.max_context_length,
+                                  "trainable": s.trainable, "sampleable": s.sampleable}
+                                 for s in resp.supported_models]}
+
+
+def checkpoint_path(run_id: str, checkpoint_id: str) -> str:
+    """The path of checkpoint `weights/<name>` (or `sampler_weights/<name>`) of a run, checked."""
+    kind, _, name = checkpoint_id.partition("/")
+    return str(CheckpointPath.parse(f"tinker://{run_id}/{kind}/{name}", field="checkpoint_id"))

@@ -1,0 +1,570 @@
+"""The Tinker-compatible HTTP API: an aiohttp server on the coordinator's own event loop.
+
+Each route becomes the coordinator message the native SDK would send, submitted through an in-process client
+peer; results come back as pushes and wait in `Promises` for the client's `retrieve_future` long-poll. The
+protocol (routes, shapes, ordering and retry rules) is `shared/reference/tinker-wire.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+
+from bios import messages as m
+from bios import types as t
+from bios.actors.actor import ActorStopped
+from bios.actors.remote import RemoteError
+from bios.checkpoint_path import CheckpointPath
+from bios.coordinator.runs import model_id_of, request_id_for, seq_of
+from bios.coordinator.server import LOCAL_OWNER, Coordinator
+from bios.exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    BiosAPIError,
+    NotFoundError,
+    RateLimitError,
+)
+
+from . import json_wire, proto
+from .futures import PROTOBUF, Promises, Reply, json_reply
+from .ordering import SeqGate
+
+log = logging.getLogger(__name__)
+
+API = "/api/v1"
+
+# HTTP status per error. A conflict (e.g. a checkpoint name in use) is a 400, not a 409: the Tinker SDK
+# retries 409 for five minutes, and retrying cannot resolve a conflict.
+_STATUS: dict[str, int] = {
+    "BadRequestError": 400,
+    "ConflictError": 400,
+    "RequestFailedError": 400,
+    "AuthenticationError": 401,
+    "NotFoundError": 404,
+    "TimeoutError": 408,
+    "RateLimitError": 429,
+    "APIConnectionError": 503,
+}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    poll_s: float = 30.0  # a retrieve_future waits this long before answering try_again (the SDK gives up at 45 s)
+    seq_gap_s: float = 120.0  # early requests fail when the seq_id before them has not come for this long
+    max_pending: int = 10_000  # unfinished requests beyond which new ones get 429 + Retry-After
+    keep_served_s: float = 300.0  # a served result stays this long for a client that polls it again
+    keep_unclaimed_s: float = 3600.0  # a result nobody retrieved is dropped after this long
+    max_body_bytes: int = 64 << 20  # the SDK sends forward_backward chunks of up to ~5 MB
+
+    @classmethod
+    def from_env(cls) -> GatewayConfig:
+        """Defaults, overridden by `BIOS_GATEWAY_POLL_S`, `BIOS_GATEWAY_SEQ_GAP_S`, `BIOS_GATEWAY_MAX_PENDING`."""
+        env = os.environ
+        default = cls()
+        return cls(
+            poll_s=float(env.get("BIOS_GATEWAY_POLL_S", default.poll_s)),
+            seq_gap_s=float(env.get("BIOS_GATEWAY_SEQ_GAP_S", default.seq_gap_s)),
+            max_pending=int(env.get("BIOS_GATEWAY_MAX_PENDING", default.max_pending)),
+        )
+
+
+def error_response(exc: BiosAPIError) -> web.Response:
+    """A JSON error body for every 4xx/5xx (a body-less 400 makes the SDK reconnect and retry)."""
+    name = type(exc).__name__
+    status = _STATUS.get(name, 500)
+    headers = {}
+    if isinstance(exc, RateLimitError):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    body = {"detail": exc.message, "type": name, "field": exc.field}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _http_error(status: int, message: str) -> web.Response:
+    return web.json_response({"detail": message, "type": "HTTPError", "field": None}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(exc.status, exc.text or exc.reason)
+    except BiosAPIError as exc:
+        return error_response(exc)
+    except ActorStopped:
+        return _http_error(503, "the coordinator is shutting down; retry against the restarted cluster")
+    except Exception as exc:
+        log.exception("gateway error on %s %s", request.method, request.path)
+        return _http_error(500, f"internal error in the Bios gateway: {type(exc).__name__}: {exc}")
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                        ) -> web.StreamResponse:
+    """Until API keys exist (loopback binds only), any `tml-` key is accepted; a missing one is a 401."""
+    if request.path != f"{API}/healthz" and not request.headers.get("X-API-Key", "").startswith("tml-"):
+        raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
+                                  "ServiceClient or set TINKER_API_KEY=tml-...")
+    return await handler(request)
+
+
+async def _json_body(request: web.Request) -> json_wire.Body:
+    if request.content_type == PROTOBUF:
+        raise web.HTTPUnsupportedMediaType(text=f"{request.path} takes a JSON body (Content-Type: application/json)")
+    raw = await request.read()
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise BadRequestError(f"the body is not valid JSON: {exc}", field="body") from None
+    return json_wire.Body(data)
+
+
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequestError(f"query parameter {name} must be an integer, got {raw!r}", field=name) from None
+    if value < 0:
+        raise BadRequestError(f"query parameter {name} must be >= 0, got {value}", field=name)
+    return value
+
+
+def _request_id(op: Any) -> str:
+    if isinstance(op, m.Sample):
+        return request_id_for(op.sampling_session_id, op.seq_id)
+    return request_id_for(model_id_of(op), seq_of(op))
+
+
+def _session_of(model_id: str) -> str:
+    return model_id.rpartition(":train:")[0]
+
+
+class Gateway:
+    """The HTTP front end of one coordinator; `start` binds it, `stop` drains long-polls and closes it."""
+
+    def __init__(self, coordinator: Coordinator, config: GatewayConfig | None = None) -> None:
+        self.coordinator = coordinator
+        self.config = config or GatewayConfig()
+        self.owner = LOCAL_OWNER
+        self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
+        self.gate = SeqGate(self.config.seq_gap_s, self._gap_timed_out)
+        self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
+        self.samplers: dict[str, list[str]] = {}  # session id -> sampling sessions opened through this gateway
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    def application(self) -> web.Application:
+        app = web.Application(middlewares=[_errors, _authenticate], client_max_size=self.config.max_body_bytes)
+        routes = [
+            web.post(f"{API}/client/config", self.client_config),
+            web.post(f"{API}/client/dynamic_config", self.client_dynamic_config),
+            web.post(f"{API}/create_session", self.create_session),
+            web.post(f"{API}/session_heartbeat", self.session_heartbeat),
+            web.post(f"{API}/telemetry", self.telemetry),
+            web.post(f"{API}/sessions/{{session_id}}/finish", self.finish_session),
+            web.get(f"{API}/sessions", self.list_sessions),
+            web.get(f"{API}/sessions/{{session_id}}", self.get_session),
+            web.get(f"{API}/healthz", self.healthz),
+            web.get(f"{API}/get_server_capabilities", self.server_capabilities),
+            web.post(f"{API}/create_model", self.create_model),
+            web.post(f"{API}/get_info", self.get_info),
+            web.post(f"{API}/forward_backward", self.forward_backward),
+            web.post(f"{API}/optim_step", self.optim_step),
+            web.post(f"{API}/save_weights", self.save_weights),
+            web.post(f"{API}/save_weights_for_sampler", self.save_weights_for_sampler),
+            web.post(f"{API}/load_weights", self.load_weights),
+            web.post(f"{API}/create_sampling_session", self.create_sampling_session),
+            web.get(f"{API}/samplers/{{sampler_id}}", self.get_sampler),
+            web.post(f"{API}/asample", self.asample),
+            web.post(f"{API}/retrieve_future", self.retrieve_future),
+            web.get(f"{API}/training_runs", self.list_training_runs),
+            web.get(f"{API}/training_runs/{{run_id}}", self.get_training_run),
+            web.get(f"{API}/training_runs/{{run_id}}/checkpoints", self.list_checkpoints),
+            web.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}", self.delete_checkpoint),
+            web.get(f"{API}/checkpoints", self.list_user_checkpoints),
+            web.post(f"{API}/weights_info", self.weights_info),
+        ]
+        app.add_routes(routes)
+        return app
+
+    async def start(self, host: str, port: int) -> str:
+        """Bind and serve; returns the base URL (with the real port when `port` is 0)."""
+        self._runner = web.AppRunner(self.application(), access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound = self._runner.addresses[0][1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="gateway-sweeper")
+        log.info("Tinker-compatible HTTP API on %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        """Answer every waiting long-poll with try_again, then close the server."""
+        self.promises.close()
+        self.gate.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(30)
+            self.promises.sweep()
+
+    # ------------------------------------------------------------------------------------ submission
+
+    def _check_capacity(self) -> None:
+        if self.promises.pending() >= self.config.max_pending:
+            raise RateLimitError(f"the gateway has {self.config.max_pending} unfinished requests; retry shortly",
+                                 retry_after=1.0)
+
+    def _check_session(self, session_id: str) -> None:
+        if self.coordinator.store.session_owner(session_id) != self.owner:
+            raise NotFoundError(f"unknown session {session_id!r}; create one with create_session", field="session_id")
+
+    async def _submit(self, op: Any, render: Callable[[Any], Awaitable[Reply]]) -> str:
+        """Hand an op to the coordinator now (create, sample); its promise exists before any result can arrive."""
+        self._check_capacity()
+        request_id = _request_id(op)
+        self.promises.expect(request_id, render)
+        try:
+            await self.coordinator.submit(self.peer, op, self.owner)
+        except BaseException:
+            self.promises.forget(request_id)
+            raise
+        return request_id
+
+    async def _submit_ordered(self, op: Any, render: Callable[[Any], Awaitable[Reply]]) -> str:
+        """Hand a run's request on in seq_id order: at once when its turn has come, else when the gap fills.
+
+        A request handed on at once reports the coordinator's refusal as the HTTP error; one that waited has
+        been promised already, so its refusal becomes its retrieve_future result.
+        """
+        self._check_capacity()
+        request_id = _request_id(op)
+        self.promises.expect(request_id, render)
+        ready = self.gate.admit(op.model_id, op.seq_id, op)
+        if not ready:
+            return request_id
+        first, *_ = self._hand_on(ready)
+        try:
+            await first
+        except BaseException:
+            self.promises.forget(request_id)
+            raise
+        return request_id
+
+    def _hand_on(self, ops: list[Any]) -> list[asyncio.Future[Any]]:
+        """Submit `ops` in this order (the scheduler's mailbox keeps call order); later ones report to promises."""
+        futures = [self.coordinator.submit(self.peer, op, self.owner) for op in ops]
+        for op, future in zip(ops[1:], futures[1:]):
+            future.add_done_callback(partial(self._handed_on, _request_id(op)))
+        return futures
+
+    def _handed_on(self, request_id: str, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.promises.fail(request_id, RemoteError.from_exception(future.exception()))
+
+    def _consume(self, model_id: object, seq_id: object) -> None:
+        """Use up the seq_id of a request refused here, so the run's later requests do not wait for it.
+
+        The coordinator refuses the empty forward that stands in for it, which moves the run's queue on exactly
+        as it does for a request it refuses itself.
+        """
+        if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+            return
+        stand_in = m.ForwardBackward(model_id, seq_id, [], "cross_entropy")
+        ready = self.gate.admit(model_id, seq_id, stand_in)
+        if ready:
+            futures = self._hand_on(ready)
+            futures[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # refused, as intended
+
+    def _gap_timed_out(self, model_id: str, missing: int, ops: list[Any]) -> None:
+        for op in ops:
+            self.promises.fail(_request_id(op), RemoteError(
+                "BadRequestError",
+                f"request seq_id {op.seq_id} of {model_id} was not run: seq_id {missing} never arrived within "
+                f"{self.config.seq_gap_s:.0f}s; resend seq_id {missing} and the requests after it",
+                field="seq_id",
+            ))
+
+    async def _ordered(self, body: json_wire.Body, parse: Callable[[json_wire.Body], tuple[Any, Any]]
+                       ) -> web.Response:
+        """Parse and submit a run's JSON request; one refused here still uses up its seq_id."""
+        try:
+            op, render = parse(body)
+        except BadRequestError:
+            self._consume(body.data.get("model_id"), body.data.get("seq_id"))
+            raise
+        request_id = await self._submit_ordered(op, render)
+        return web.json_response({"request_id": request_id, "model_id": op.model_id})
+
+    # ------------------------------------------------------------------------------------ session routes
+
+    async def client_config(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "pjwt_auth_enabled": False,
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": False,
+            "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False,
+            "sample_join_sampling_session": False,
+        })
+
+    async def client_dynamic_config(self, request: web.Request) -> web.Response:
+        return web.json_response({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+
+    async def create_session(self, request: web.Request) -> web.Response:
+        await _json_body(request)
+        session_id = self.coordinator.open_session(self.owner)
+        self.samplers[session_id] = []
+        return web.json_response({"type": "create_session", "session_id": session_id})
+
+    async def session_heartbeat(self, request: web.Request) -> web.Response:
+        session_id = (await _json_body(request)).text("session_id")
+        if not self.coordinator.store.touch_session(session_id):
+            self._check_session(session_id)
+            return _http_error(410, f"session {session_id} is finished")
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def telemetry(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "accepted"})
+
+    async def finish_session(self, request: web.Request) -> web.Response:
+        session_id = request.match_info["session_id"]
+        self._check_session(session_id)
+        self.coordinator.store.close_session(session_id)
+        return web.json_response({})
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        """Sessions that own runs, and those opened through this gateway since it started."""
+        ids = dict.fromkeys([r.session_id for r in self.coordinator.store.list_runs(self.owner)] + list(self.samplers))
+        offset, limit = _query_int(request, "offset", 0), _query_int(request, "limit", 20)
+        return web.json_response({"sessions": list(ids)[offset: offset + limit]})
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        session_id = request.match_info["session_id"]
+        self._check_session(session_id)
+        runs = [r.model_id for r in self.coordinator.store.list_runs(self.owner) if r.session_id == session_id]
+        return web.json_response({"training_run_ids": runs, "sampler_ids": self.samplers.get(session_id, [])})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def server_capabilities(self, request: web.Request) -> web.Response:
+        return web.json_response(json_wire.capabilities(await self.coordinator.query(m.GetServerCapabilities())))
+
+    # ------------------------------------------------------------------------------------ training routes
+
+    async def create_model(self, request: web.Request) -> web.Response:
+        op = json_wire.create_model(await _json_body(request))
+        self._check_session(op.session_id)
+        model_id = model_id_of(op)
+        request_id = await self._submit(op, self._render_created)
+        self.gate.open(model_id)
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def get_info(self, request: web.Request) -> web.Response:
+        model_id = (await _json_body(request)).text("model_id")
+        info = await self.coordinator.query(m.GetInfo(model_id), self.owner)
+        return web.json_response(json_wire.get_info(info))
+
+    async def forward_backward(self, request: web.Request) -> web.Response:
+        if request.content_type != PROTOBUF:
+            raise web.HTTPUnsupportedMediaType(
+                text=f"forward_backward takes a tinker_public.ForwardBackwardRequest protobuf body with Content-Type: "
+                     f"{PROTOBUF}, got {request.content_type!r}")
+        msg = proto.decode_forward_backward(await request.read())
+        try:
+            op = proto.forward_backward_op(msg)
+        except BadRequestError:
+            self._consume(msg.model_id, msg.seq_id)
+            raise
+        request_id = await self._submit_ordered(op, self._render_forward_backward)
+        return web.json_response({"request_id": request_id, "model_id": op.model_id})
+
+    async def optim_step(self, request: web.Request) -> web.Response:
+        return await self._ordered(await _json_body(request),
+                                   lambda body: (json_wire.optim_step(body), self._render_optim_step))
+
+    async def save_weights(self, request: web.Request) -> web.Response:
+        return await self._ordered(await _json_body(request),
+                                   lambda body: (json_wire.save_weights(body), self._render_saved))
+
+    async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
+        def parse(body: json_wire.Body) -> tuple[m.SaveWeights, Callable[[Any], Awaitable[Reply]]]:
+            op, sampling_seq = json_wire.save_weights_for_sampler(body)
+            if sampling_seq is None:
+                return op, self._render_sampler_saved
+            return op, partial(self._render_sampling_session, _session_of(op.model_id), sampling_seq)
+
+        return await self._ordered(await _json_body(request), parse)
+
+    async def load_weights(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.data.get("session_id") is None:
+            return await self._ordered(body, lambda body: (json_wire.load_weights(body), self._render_loaded))
+        op = json_wire.load_weights(body)
+        self._check_session(op.session_id)
+        model_id = model_id_of(op)
+        request_id = await self._submit(op, partial(self._render_created_from, op.from_path))
+        self.gate.open(model_id)
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    # ------------------------------------------------------------------------------------ sampling routes
+
+    async def create_sampling_session(self, request: web.Request) -> web.Response:
+        query = json_wire.create_sampling_session(await _json_body(request))
+        self._check_session(query.session_id)
+        session = await self.coordinator.query(query, self.owner)
+        self.samplers.setdefault(query.session_id, []).append(session.sampling_session_id)
+        return web.json_response({"type": "create_sampling_session",
+                                  "sampling_session_id": session.sampling_session_id})
+
+    async def get_sampler(self, request: web.Request) -> web.Response:
+        session = await self.coordinator.query(m.GetSamplingSession(request.match_info["sampler_id"]), self.owner)
+        return web.json_response(json_wire.sampler(session))
+
+    async def asample(self, request: web.Request) -> web.Response:
+        op, last_n = json_wire.sample(await _json_body(request))
+        request_id = await self._submit(op, partial(self._render_sample, last_n))
+        return web.json_response({"request_id": request_id,
+                                  "sample_sequence_ids": [f"{request_id}:{i}" for i in range(op.num_samples)]})
+
+    async def retrieve_future(self, request: web.Request) -> web.Response:
+        request_id = (await _json_body(request)).text("request_id")
+        try:
+            reply = await self.promises.wait(request_id, self.config.poll_s)
+        except KeyError:
+            raise NotFoundError(f"no request {request_id!r} was submitted through this gateway (or its result "
+                                "expired)", field="request_id") from None
+        if reply is None:
+            return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return web.Response(body=reply.body, content_type=reply.content_type)
+
+    # ------------------------------------------------------------------------------------ REST routes
+
+    async def list_training_runs(self, request: web.Request) -> web.Response:
+        query = m.ListTrainingRuns(_query_int(request, "limit", 20), _query_int(request, "offset", 0))
+        return web.json_response(json_wire.training_runs(await self.coordinator.query(query, self.owner)))
+
+    async def get_training_run(self, request: web.Request) -> web.Response:
+        run = await self.coordinator.query(m.GetTrainingRun(request.match_info["run_id"]), self.owner)
+        return web.json_response(json_wire.training_run(run))
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        listing = await self.coordinator.query(m.ListCheckpoints(request.match_info["run_id"]), self.owner)
+        return web.json_response({"checkpoints": [json_wire.checkpoint(c) for c in listing.checkpoints]})
+
+    async def delete_checkpoint(self, request: web.Request) -> web.Response:
+        info = request.match_info
+        path = json_wire.checkpoint_path(info["run_id"], f"{info['kind']}/{info['name']}")
+        await self.coordinator.query(m.DeleteCheckpoint(path), self.owner)
+        return web.json_response({})
+
+    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
+        limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
+        checkpoints: list[t.Checkpoint] = []
+        for run in self.coordinator.store.list_runs(self.owner):
+            listing = await self.coordinator.query(m.ListCheckpoints(run.model_id), self.owner)
+            checkpoints.extend(listing.checkpoints)
+        checkpoints.sort(key=lambda c: c.time, reverse=True)
+        page = [json_wire.checkpoint(c) for c in checkpoints[offset: offset + limit]]
+        cursor = {"offset": offset, "limit": limit, "total_count": len(checkpoints)}
+        return web.json_response({"checkpoints": page, "cursor": cursor})
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        path = CheckpointPath.parse((await _json_body(request)).text("tinker_path"), field="tinker_path")
+        listing = await self.coordinator.query(m.ListCheckpoints(path.run_id), self.owner)
+        if not any(c.bios_path == str(path) for c in listing.checkpoints):
+            raise NotFoundError(f"no checkpoint at {json_wire.tinker_path(str(path))}", field="tinker_path")
+        run = await self.coordinator.query(m.GetTrainingRun(path.run_id), self.owner)
+        return web.json_response(json_wire.weights_info(run))
+
+    # ------------------------------------------------------------------------------------ results
+
+    async def _render_created(self, created: m.ModelCreated) -> Reply:
+        return json_reply({"model_id": created.model_id, "type": "create_model"})
+
+    async def _render_created_from(self, path: str, created: m.ModelCreated) -> Reply:
+        return json_reply({"model_id": created.model_id, "path": json_wire.tinker_path(path), "type": "load_weights"})
+
+    async def _render_forward_backward(self, out: t.ForwardBackwardOutput) -> Reply:
+        return Reply(proto.forward_backward_output(out, json_wire.tinker_metrics(out.metrics)), PROTOBUF)
+
+    async def _render_optim_step(self, out: t.OptimStepResponse) -> Reply:
+        return json_reply({"metrics": json_wire.tinker_metrics(out.metrics)})
+
+    async def _render_saved(self, out: t.SaveWeightsResponse) -> Reply:
+        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights"})
+
+    async def _render_sampler_saved(self, out: t.SaveWeightsForSamplerResponse) -> Reply:
+        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_for_sampler"})
+
+    async def _render_sampling_session(self, session_id: str, sampling_seq: int,
+                                       out: t.SaveWeightsForSamplerResponse) -> Reply:
+        """An unnamed save's result is a sampling session on the new checkpoint (save_weights_and_get_sampling_client)."""
+        query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
+        session = await self.coordinator.query(query, self.owner)
+        self.samplers.setdefault(session_id, []).append(session.sampling_session_id)
+        return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
+                           "type": "save_weights_for_sampler"})
+
+    async def _render_loaded(self, out: t.LoadWeightsResponse) -> Reply:
+        return json_reply({"path": json_wire.tinker_path(out.path), "model_id": out.model_id, "type": "load_weights"})
+
+    async def _render_sample(self, last_n: int | None, out: t.SampleResponse) -> Reply:
+        return Reply(proto.sample_response(out, last_n), PROTOBUF)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"HTTP address must be HOST:PORT (port 0 picks a free one), got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def start_gateway(coordinator: Coordinator, address: str, config: GatewayConfig | None = None) -> Gateway:
+    """Serve the Tinker HTTP API for `coordinator` at `address` ("HOST:PORT"); `.url` says where, `stop()` ends it.
+
+    Until API keys exist any `tml-` key is accepted, so only a loopback address may be bound.
+    """
+    host, port = _split_address(address)
+    if not _is_loopback(host):
+        raise ValueError(f"refusing to serve the HTTP API on {host}: without API keys configured it accepts any "
+                         "key, so it binds loopback only (e.g. --http 127.0.0.1:8000)")
+    gateway = Gateway(coordinator, config or GatewayConfig.from_env())
+    await gateway.start(host, port)
+    return gateway
