@@ -40,7 +40,7 @@ def _assert_same_weights(a, b, rtol=1e-5):
 def _wait_for_workers(service, n, timeout=120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum(w.state == "ready" for w in service.cluster_status().workers) >= n:
+        if sum(w.state == "active" for w in service.cluster_status().workers) >= n:
             return
         time.sleep(0.1)
     raise AssertionError(f"fewer than {n} workers came up")

@@ -62,7 +62,7 @@ def test_garbage_on_both_sockets_neither_crashes_nor_blocks(cluster, service):
     assert cluster.coordinator is not None and cluster.coordinator.poll() is None
     out = tc.forward_backward([text_datum("still training after the garbage")]).result(60)
     assert out.loss > 0
-    assert service.cluster_status().workers[0].state == "ready"
+    assert service.cluster_status().workers[0].state == "active"
 
 
 CLIENT_SCRIPT = textwrap.dedent(

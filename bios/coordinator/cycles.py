@@ -78,15 +78,32 @@ class CycleRunner:
         self.holders: set[str] = set()
         self._join_failures: dict[str, int] = {}
         self._leaving: list[Member] = []
+        self._lock = asyncio.Lock()
         self._next_id = 0
 
     async def run_forever(self) -> None:
+        watcher = asyncio.ensure_future(self._form_on_change())
+        try:
+            while True:
+                await self.clock.next_tick()
+                async with self._lock:
+                    members = await self._current_generation()  # form first: a lost run's work is never selected
+                    items: list[m.WorkItem] = await self.scheduler.ask(SelectWork())
+                    if items:
+                        await self._run_cycle(members, items)
+        finally:
+            watcher.cancel()
+
+    async def _form_on_change(self) -> None:
+        """Form a new generation as soon as membership changes, not only when work arrives: a newcomer should
+        hold the state before anyone else can die."""
+        seen = self.membership.generation
         while True:
-            await self.clock.next_tick()
-            members = await self._current_generation()  # form first: a lost run's work is never selected
-            items: list[m.WorkItem] = await self.scheduler.ask(SelectWork())
-            if items:
-                await self._run_cycle(members, items)
+            await self.membership.changed_since(seen)
+            seen = self.membership.generation
+            async with self._lock:
+                if self.membership.alive() and self.generation != self.membership.generation:
+                    await self._current_generation()
 
     # ------------------------------------------------------------------------------------ cycles
 

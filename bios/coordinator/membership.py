@@ -37,7 +37,7 @@ class Membership:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.members: dict[str, Member] = {}
         self.generation = 0
-        self.changed = asyncio.Event()
+        self._changed = asyncio.Event()
 
     def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
         member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models),
@@ -82,13 +82,20 @@ class Membership:
             members = self.alive()
             if members:
                 return members
-            self.changed.clear()
-            await self.changed.wait()
+            await self.changed_since(self.generation)
 
-    def status(self) -> list[m.WorkerStatus]:
+    async def changed_since(self, generation: int) -> None:
+        while self.generation == generation:
+            await self._changed.wait()
+
+    def status(self, active: set[str]) -> list[m.WorkerStatus]:
+        """`active` members hold the current state; `joining` ones are registered but not yet in a generation."""
         now = time.monotonic()
         return [
-            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, mb.state, now - mb.last_seen)
+            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device,
+                           "active" if mb.state == "ready" and mb.worker_id in active
+                           else "joining" if mb.state == "ready" else mb.state,
+                           now - mb.last_seen)
             for mb in self.members.values()
         ]
 
@@ -96,4 +103,5 @@ class Membership:
         """Start a new generation (the cycle runner re-forms the group before the next cycle)."""
         self.generation += 1
         log.info("generation %d: %s", self.generation, why)
-        self.changed.set()
+        self._changed.set()
+        self._changed = asyncio.Event()  # waiters hold the event that was current; the next change gets a new one

@@ -189,7 +189,7 @@ class Coordinator:
             cycles_run=self.clock.cycles_run,
             cycle_s=self.config.cycle_s,
             generation=self.membership.generation,
-            workers=self.membership.status(),
+            workers=self.membership.status(active=self.runner.holders),
             queue_depth=await self.scheduler.ask(QueueDepth()),
             runs=len(self.store.list_runs()),
             busy_s=self.clock.busy_s,
