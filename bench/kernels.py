@@ -1,15 +1,15 @@
 """Benchmark bios.kernels against the ops they replace, measured in the same run.
 
-    python bench/kernels.py [--quick] [--only ce,lora,adamw]
+    python bench/kernels.py [--quick] [--only ce,lora,norms,adamw]
 
 Peak memory: every implementation runs once in a fresh subprocess; peak extra = RSS high-water mark above
 the RSS after the inputs were built (Linux `/proc/self/clear_refs` resets the mark), or
-`torch.cuda.max_memory_allocated` on GPU. LoRA rows also give the bytes autograd keeps for backward (unique
-storages seen by `saved_tensors_hooks`, parameters excluded). Time: one more subprocess per group runs its
+`torch.cuda.max_memory_allocated` on GPU. LoRA and norm rows also give the bytes autograd keeps for backward
+(unique storages seen by `saved_tensors_hooks`, parameters excluded). Time: one more subprocess per group runs its
 implementations round-robin (a warm-up round, then `rounds` rounds) and reports each one's median, so load
-from other processes hits reference and candidate alike; groups with rounds=0 (the huge ones) use the time
-of the memory run. The table gives ratios against the group's first row; absolute times on shared CPUs are
-noise, ratios are the result.
+from other processes hits reference and candidate alike; the huge V=128256 group skips the warm-up (and in
+--quick mode uses the time of the memory run). The table gives ratios against the group's first row;
+absolute times on shared CPUs are noise, ratios are the result.
 """
 
 import argparse
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bios.kernels import linear_cross_entropy, lora_linear  # noqa: E402
+from bios.kernels import linear_cross_entropy, lora_linear, rms_norm, swiglu  # noqa: E402
 from bios.kernels.cross_entropy import default_chunk_size  # noqa: E402
 
 MIB = 1 << 20
@@ -45,6 +45,7 @@ class Group:
     shape: dict[str, int]
     dtype: str = "float32"
     rounds: int = 3
+    warmup: bool = True
     targets: dict[str, float] = field(default_factory=dict)  # metric -> maximum ratio vs the reference
 
 
@@ -131,7 +132,7 @@ def _ce_step(group: Group, impl: str, device: torch.device):
         if backward:
             out.sum().backward()
 
-    return run, [hidden, weight]
+    return run, [weight]
 
 
 def _lora_step(group: Group, impl: str, device: torch.device):
@@ -164,6 +165,31 @@ def _lora_step(group: Group, impl: str, device: torch.device):
             y.backward(grad_y)
 
     return run, [base.weight, lora_a, lora_b]
+
+
+def _norm_step(group: Group, impl: str, device: torch.device):
+    """rms_norm over [tokens, dim] or swiglu over two [tokens, dim] inputs, fwd+bwd."""
+    t, d = group.shape["tokens"], group.shape["dim"]
+    dtype = DTYPES[group.dtype]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(t, d, generator=gen).to(device, dtype).requires_grad_()
+    other = torch.randn(t, d, generator=gen).to(device, dtype).requires_grad_()
+    weight = torch.randn(d, generator=gen).to(device, dtype).requires_grad_()
+    grad_y = torch.randn(t, d, generator=gen).to(device, dtype)
+    ops = {
+        "F.rms_norm": lambda: F.rms_norm(x, (d,), weight, 1e-5),
+        "bios_rms_norm": lambda: rms_norm(x, weight, 1e-5),
+        "silu*up": lambda: F.silu(x) * other,
+        "bios_swiglu": lambda: swiglu(x, other),
+    }
+
+    def run(backward: bool = True):
+        x.grad = other.grad = weight.grad = None
+        y = ops[impl]()
+        if backward:
+            y.backward(grad_y)
+
+    return run, [weight]
 
 
 SMOLLM2_135M = {"layers": 30, "hidden": 576, "intermediate": 1536, "kv": 192}
@@ -219,7 +245,7 @@ def _adamw_step(group: Group, impl: str, device: torch.device):
     return run, []
 
 
-STEPS = {"ce": _ce_step, "lora": _lora_step, "adamw": _adamw_step}
+STEPS = {"ce": _ce_step, "lora": _lora_step, "adamw": _adamw_step, "norms": _norm_step}
 
 
 def _device() -> torch.device:
@@ -230,7 +256,7 @@ def measure_memory(group: Group, impl: str) -> Measurement:
     """One fwd+bwd (or optimizer step) of `impl`; meant to run in a fresh process."""
     device = _device()
     run, params = STEPS[group.op](group, impl, device)
-    saved = _saved_mib(run, params) if group.op == "lora" else None
+    saved = _saved_mib(run, params) if group.op in ("lora", "norms") else None
     peak = PeakMemory(device)
     _sync(device)
     start = time.perf_counter()
@@ -240,17 +266,18 @@ def measure_memory(group: Group, impl: str) -> Measurement:
 
 
 def measure_times(group: Group) -> dict[str, float]:
-    """Median time per implementation, running them round-robin after one warm-up round."""
+    """Median time per implementation, running them round-robin (after one warm-up round unless disabled)."""
     device = _device()
     runs = {impl: STEPS[group.op](group, impl, device)[0] for impl in group.impls}
     times: dict[str, list[float]] = {impl: [] for impl in group.impls}
-    for round_index in range(1 + group.rounds):
+    first_timed = 1 if group.warmup else 0
+    for round_index in range(first_timed + group.rounds):
         for impl, run in runs.items():
             _sync(device)
             start = time.perf_counter()
             run()
             _sync(device)
-            if round_index:
+            if round_index >= first_timed:
                 times[impl].append(time.perf_counter() - start)
     return {impl: statistics.median(values) for impl, values in times.items()}
 
@@ -264,11 +291,14 @@ def groups(quick: bool, only: set[str]) -> list[Group]:
     if "ce" in only:
         n = 1024 if quick else 4096
         shape = {"n": n, "h": 576, "v": 49152}
-        impls = ["naive", "bios"] if quick else ["naive", "bios", "torch_chunked"]
+        impls = ["naive", "bios"]
+        if not quick and hasattr(torch.nn, "LinearCrossEntropyOptions"):  # torch's own chunked op, if this torch has it
+            impls.append("torch_chunked")
         out.append(Group(f"linear_cross_entropy fwd+bwd N={n} H=576 V=49152", "ce", impls, shape,
                          rounds=2 if quick else 3, targets=ce_targets))
         out.append(Group(f"linear_cross_entropy fwd+bwd N={n} H=2048 V=128256", "ce", ["naive", "bios"],
-                         {"n": n, "h": 2048, "v": 128256}, rounds=0, targets=ce_targets))
+                         {"n": n, "h": 2048, "v": 128256}, rounds=0 if quick else 1, warmup=False,
+                         targets=ce_targets))
         if not quick:
             out.append(Group(f"linear_cross_entropy fwd+bwd bf16 N={n} H=576 V=49152", "ce", ["naive", "bios"],
                              shape, dtype="bfloat16", targets=ce_targets))
@@ -280,6 +310,11 @@ def groups(quick: bool, only: set[str]) -> list[Group]:
             out.append(Group(f"lora_linear fwd+bwd T=4096 in=out={dim} r=16", "lora", impls,
                              {"tokens": 4096, "dim": dim, "rank": 16}, rounds=10 if quick else 20,
                              targets={"time": 0.9, "saved": 0.7}))
+    if "norms" in only:
+        shape = {"tokens": 4096, "dim": 1536}
+        rounds = 10 if quick else 30
+        for title, impls in [("rms_norm", ["F.rms_norm", "bios_rms_norm"]), ("swiglu", ["silu*up", "bios_swiglu"])]:
+            out.append(Group(f"{title} fwd+bwd [4096, 1536]", "norms", impls, shape, rounds=rounds))
     if "adamw" in only:
         impls = ["torch_foreach", "bios"] if quick else ["torch_foreach", "bios", "torch_fused"]
         out.append(Group("adamw + clip_grad_norm_ step, rank-16 SmolLM2-135M adapter (4.9M params)", "adamw", impls,
@@ -308,7 +343,8 @@ def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        lines = cpuinfo.read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
         cpu = names[0] if names else cpu
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return (
@@ -325,7 +361,8 @@ def _ratio(value: float | None, reference: float | None) -> str:
 
 def print_group(group: Group, results: dict[str, Measurement]) -> None:
     ref = results[group.impls[0]]
-    print(f"\n{group.title}  (reference: {group.impls[0]}, timing rounds: {group.rounds or 'single run'})")
+    rounds = f"{group.rounds} timed rounds" if group.rounds else "time of the memory run"
+    print(f"\n{group.title}  (reference: {group.impls[0]}; {rounds})")
     print(f"{'impl':<14} {'time':>10} {'x ref':>7} {'peak extra':>12} {'x ref':>7} {'saved':>10} {'x ref':>7}  target")
     for impl, m in results.items():
         ratios = {"time": m.time_s / ref.time_s, "mem": m.peak_extra_mib / max(ref.peak_extra_mib, 1e-9)}
@@ -348,7 +385,7 @@ def print_group(group: Group, results: dict[str, Measurement]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repetitions")
-    parser.add_argument("--only", default="ce,lora,adamw", help="comma-separated subset of ce, lora, adamw")
+    parser.add_argument("--only", default="ce,lora,norms,adamw", help="comma-separated subset of the default")
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one implementation's memory run
     parser.add_argument("--timing", help=argparse.SUPPRESS)  # internal: one group's interleaved timing
     args = parser.parse_args()

@@ -275,6 +275,7 @@ class ClusterStatus:
     runs: int
     busy_s: float
     uptime_s: float
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over cycles (rank 0's view)
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -367,6 +368,7 @@ class CycleDone:
     aborted: bool = False
     reason: str = ""
     checksums: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # time per phase: forward, allreduce, closing, sample
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ class CycleRunner:
         self._join_failures: dict[str, int] = {}
         self._leaving: list[Member] = []
         self._lock = asyncio.Lock()
+        self.phase_seconds: dict[str, float] = {}
         self._next_id = 0
 
     async def run_forever(self) -> None:
@@ -195,6 +196,9 @@ class CycleRunner:
             return
         cycle.waiting.discard(worker_id)
         cycle.checksums[worker_id] = done.checksums
+        if self.ranked and worker_id == self.ranked[0].worker_id:
+            for phase, seconds in done.seconds.items():
+                self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
         if done.aborted:
             cycle.aborted = cycle.collective_failed = True
             asyncio.ensure_future(self._probe_others(cycle))

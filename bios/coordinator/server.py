@@ -194,6 +194,7 @@ class Coordinator:
             runs=len(self.store.list_runs()),
             busy_s=self.clock.busy_s,
             uptime_s=time.monotonic() - self._started,
+            phase_seconds=dict(self.runner.phase_seconds),
         )
 
     def _capabilities(self) -> t.GetServerCapabilitiesResponse:

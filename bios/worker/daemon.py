@@ -88,7 +88,7 @@ class Trainer(Actor):
         finally:
             await asyncio.sleep(0)  # let the reports queued by the compute thread go out first
             await self.send(m.CycleDone(message.cycle_id, self.worker_id, outcome.aborted, outcome.reason,
-                                        outcome.checksums))
+                                        outcome.checksums, outcome.seconds))
 
     async def stopped(self) -> None:
         self.thread.shutdown(wait=False, cancel_futures=True)

@@ -12,8 +12,9 @@ not finish. Every member reports what it finished; the coordinator keeps the fir
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class CycleOutcome:
     aborted: bool
     reason: str
     checksums: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def shard_range(token_counts: list[int], world: int, rank: int) -> tuple[int, int]:
@@ -63,6 +65,8 @@ class CycleExecutor:
         self.group = group
 
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
+        self.seconds: dict[str, float] = {}
+        started = time.perf_counter()
         creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
@@ -78,15 +82,20 @@ class CycleExecutor:
         except CollectiveError as exc:
             log.warning("cycle %d aborted: %s", cycle.cycle_id, exc)
             return CycleOutcome(True, str(exc), {})
+        mark = time.perf_counter()
         for item in closing:
             done = _attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op))
             if done is not None:
                 report(done)
             touched.add(item.op.model_id)
+        self.seconds["closing"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         self._sample_phase(cycle.cycle_id, samples, report)
+        self.seconds["sample"] = time.perf_counter() - mark
         checksums = {mid: self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
                      if mid in self.pool.adapters}
-        return CycleOutcome(False, "", checksums)
+        self.seconds["cycle"] = time.perf_counter() - started
+        return CycleOutcome(False, "", checksums, self.seconds)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -104,9 +113,12 @@ class CycleExecutor:
             groups.setdefault(adapter.base_model, []).append((item, adapter))
         if not groups:
             return set()
+        mark = time.perf_counter()
         local: dict[str, Any] = {}
         for base_model, group in groups.items():
             local[base_model] = self._run_shard(group)
+        self.seconds["forward"] = time.perf_counter() - mark
+        mark = time.perf_counter()
         gathered = self.group.all_gather_object(local)
         touched: set[str] = set()
         for base_model, group in groups.items():
@@ -120,6 +132,7 @@ class CycleExecutor:
                     report(m.ItemDone(cycle_id, item.request_id, error=failure))
                 continue
             norms = self._sum_and_commit([a for _, a in group], training)
+            self.seconds["allreduce"] = time.perf_counter() - mark
             touched.update(training)
             for index, (item, adapter) in enumerate(group):
                 output = _merge([p[index] for p in parts])

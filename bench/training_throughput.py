@@ -1,0 +1,111 @@
+"""Steady-state training steps/s: Bios's pipelined async loop on the embedded cluster vs an in-process
+PyTorch + PEFT + torch.optim.AdamW loop on the same model, batch and LoRA settings.
+
+    python bench/training_throughput.py [--model smollm2] [--steps 20] [--batch 4] [--seq 128] [--rank 16]
+
+Both sides run the same arithmetic (forward, backward of the summed cross-entropy, AdamW); Bios adds the
+SDK → coordinator → worker round trips, which pipelining (depth 4) hides behind compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import time
+from collections import deque
+
+import torch
+
+import bios
+from bios import types
+from bios.models import load_base_model, resolve_model_dir
+from bios.worker.adapter import LORA_ALPHA, lora_targets
+
+
+def make_batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
+    generator = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(batch):
+        tokens = torch.randint(0, vocab, (seq + 1,), generator=generator).tolist()
+        data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]),
+                                {"target_tokens": tokens[1:], "weights": [1.0] * seq}))
+    return data
+
+
+def peft_steps_per_s(model_name: str, data: list[types.Datum], rank: int, steps: int, warmup: int) -> float:
+    import peft
+
+    base = load_base_model(model_name)
+    modules = sorted({t.module_name.rsplit(".", 1)[-1] for t in lora_targets(base.model, types.LoraConfig(rank))})
+    model = peft.get_peft_model(base.model, peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, target_modules=modules,
+                                                            lora_dropout=0.0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
+    ids = torch.tensor([d.model_input.to_ints() for d in data])
+    targets = torch.stack([d.loss_fn_inputs["target_tokens"].to_torch() for d in data])
+    weights = torch.stack([d.loss_fn_inputs["weights"].to_torch() for d in data])
+
+    def step() -> None:
+        logits = model(input_ids=ids).logits.float()
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        (-(weights * logp).sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    for _ in range(warmup):
+        step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps / (time.perf_counter() - started)
+
+
+async def bios_steps_per_s(model_name: str, data: list[types.Datum], rank: int, steps: int, warmup: int,
+                           depth: int) -> float:
+    with bios.ServiceClient() as service:
+        tc = await service.create_lora_training_client_async(model_name, rank=rank, seed=0)
+        params = types.AdamParams(learning_rate=1e-4)
+
+        async def run(n: int) -> float:
+            in_flight: deque = deque()
+            started = time.perf_counter()
+            for _ in range(n):
+                await tc.forward_backward_async(data, "cross_entropy")
+                in_flight.append(await tc.optim_step_async(params))
+                if len(in_flight) >= depth:
+                    await in_flight.popleft()
+            while in_flight:
+                await in_flight.popleft()
+            return n / (time.perf_counter() - started)
+
+        await run(warmup)
+        return await run(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=4)
+    args = parser.parse_args()
+    resolve_model_dir(args.model)  # pull or write the model once, outside the timings
+    vocab = load_base_model(args.model).info.vocab_size
+    data = make_batch(vocab, args.batch, args.seq)
+    reference = peft_steps_per_s(args.model, data, args.rank, args.steps, args.warmup)
+    measured = asyncio.run(bios_steps_per_s(args.model, data, args.rank, args.steps, args.warmup, args.depth))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"model {args.model}, batch {args.batch}x{args.seq}, LoRA rank {args.rank}, all linear layers")
+    print(f"{'loop':<46} {'steps/s':>8} {'ratio':>6}")
+    print(f"{'in-process PyTorch + PEFT + AdamW (reference)':<46} {reference:8.3f} {1.0:6.2f}")
+    print(f"{f'bios, pipelined async (depth {args.depth})':<46} {measured:8.3f} {measured / reference:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
