@@ -10,11 +10,16 @@ import pytest
 # Every process the tests start (coordinators, workers) writes built-in models into a private cache.
 os.environ.setdefault("BIOS_CACHE_DIR", tempfile.mkdtemp(prefix="bios-test-cache-"))
 os.environ.setdefault("BIOS_LOG_LEVEL", "INFO")
-# Two cores shared by the test process and its workers: more threads than cores make tiny ops crawl.
+# One intra-op thread, here and in every worker the tests start: on a shared 2-core machine, OpenMP threads
+# spinning at barriers while another process holds the other core make each tiny op hundreds of times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 import bios  # noqa: E402
 from bios import types  # noqa: E402
+
+torch.set_num_threads(1)
 
 BASE = "bios/tiny-llama"
 

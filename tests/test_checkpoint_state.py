@@ -24,16 +24,6 @@ ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Bios trains LoRA adapters.", "Hello, world!"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads spinning at barriers while another
-    process holds the other core make each tiny op hundreds of times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def base():
     loaded = load_base_model(BASE)

@@ -20,16 +20,6 @@ from bios.worker.lora import attach_lora
 TOKENS = list(b"Bios exports standard PEFT adapters.")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads spinning at barriers while another
-    process holds the other core make each tiny op hundreds of times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def trained_like_state(base_model: str, **config):
     """A checkpoint whose A and B are both non-zero (as after training), from a Bios-loaded base model."""
     loaded = load_base_model(base_model)

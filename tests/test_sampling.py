@@ -22,16 +22,6 @@ CONTEXT = 128
 PROMPTS = [list(b"The cat"), list(b"Once upon a time, "), list(b"x"), list(b"def f(a, b):\n    return")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, OpenMP threads spinning at barriers while another
-    process holds the other core make each tiny op hundreds of times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     """A tiny Llama with large weights, so its next-token distributions are peaked and greedy text varies."""
