@@ -1,7 +1,7 @@
 """RMSNorm and SwiGLU with backwards that keep only their inputs.
 
 `F.rms_norm` exists in this torch, but on CPU its autograd is the composite decomposition (six saved tensors,
-four of them activation-sized) and the fused `_fused_rms_norm_backward` has no CPU kernel, so RMSNorm is a
+three of them activation-sized) and the fused `_fused_rms_norm_backward` has no CPU kernel, so RMSNorm is a
 hand-written Function that saves `x` and the per-row inverse RMS only. Its forward follows Hugging Face's
 LlamaRMSNorm rounding (normalise in fp32, cast, then scale by the weight), so swapping it in changes no numbers.
 
