@@ -1,10 +1,12 @@
 """The same pipelined training loop through the HTTP gateway (official `tinker` SDK) and the native Bios SDK.
 
-    python bench/gateway.py [--steps 40] [--rounds 3] [--depth 4]
+    python bench/gateway.py [--steps 20] [--rounds 7] [--depth 4]
 
-One embedded cluster serves both: native over ZeroMQ, Tinker over HTTP to the gateway in the coordinator. Each
-round runs the native loop, then the gateway loop, on fresh runs of `bios/tiny-llama`, so machine noise hits
-both alike; the table reports median steps/s and the gateway/native ratio (target >= 0.9).
+One embedded cluster serves both: native over ZeroMQ, Tinker over HTTP to the gateway in the coordinator, one
+`bios/tiny-llama` run each. Rounds alternate native and gateway, so a busy spell on a shared machine hits
+adjacent rounds alike; the table reports median steps/s, the median of the per-round gateway/native ratios
+(target >= 0.9), and the CPU time per step of the client process and of the coordinator (which hosts the
+gateway), which other load disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import tinker
 from tinker import types as tt
 
@@ -31,6 +35,26 @@ TEXTS = [f"Pipelined request {i} keeps the cluster busy between ticks." for i in
 def _inputs(text: str) -> tuple[list[int], dict[str, list[Any]]]:
     tokens = list(text.encode())
     return tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)}
+
+
+@dataclass(frozen=True)
+class Measure:
+    steps_per_s: float
+    client_cpu_ms: float  # per step
+    coordinator_cpu_ms: float  # per step
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def measured(coordinator: psutil.Process, loop: Callable[[], float], steps: int) -> Measure:
+    client = psutil.Process()
+    client_cpu, coordinator_cpu = _cpu_s(client), _cpu_s(coordinator)
+    rate = loop()
+    return Measure(rate, (_cpu_s(client) - client_cpu) / steps * 1e3,
+                   (_cpu_s(coordinator) - coordinator_cpu) / steps * 1e3)
 
 
 def pipelined(forward_backward: Callable[[], Any], optim_step: Callable[[], Any], steps: int, depth: int) -> float:
@@ -48,43 +72,58 @@ def pipelined(forward_backward: Callable[[], Any], optim_step: Callable[[], Any]
     return steps / (time.perf_counter() - started)
 
 
-def native_loop(service: bios.ServiceClient, steps: int, depth: int) -> float:
+Loop = Callable[[int], float]  # steps -> steps/s
+
+
+def native_loop(service: bios.ServiceClient, depth: int) -> Loop:
     tc = service.create_lora_training_client(BASE, rank=16, seed=0)
     batch = [bt.Datum(bt.ModelInput.from_ints(tokens), inputs) for tokens, inputs in map(_inputs, TEXTS)]
     params = bt.AdamParams(learning_rate=1e-3)
-    pipelined(lambda: tc.forward_backward(batch, "cross_entropy"), lambda: tc.optim_step(params), 4, depth)  # warm
-    return pipelined(lambda: tc.forward_backward(batch, "cross_entropy"), lambda: tc.optim_step(params), steps, depth)
+    return lambda steps: pipelined(lambda: tc.forward_backward(batch, "cross_entropy"),
+                                   lambda: tc.optim_step(params), steps, depth)
 
 
-def gateway_loop(service: tinker.ServiceClient, steps: int, depth: int) -> float:
+def gateway_loop(service: tinker.ServiceClient, depth: int) -> Loop:
     tc = service.create_lora_training_client(base_model=BASE, rank=16, seed=0).result()
     batch = [tt.Datum(model_input=tt.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
              for tokens, inputs in map(_inputs, TEXTS)]
     params = tt.AdamParams(learning_rate=1e-3)
-    pipelined(lambda: tc.forward_backward(batch, "cross_entropy"), lambda: tc.optim_step(params), 4, depth)
-    return pipelined(lambda: tc.forward_backward(batch, "cross_entropy"), lambda: tc.optim_step(params), steps, depth)
+    return lambda steps: pipelined(lambda: tc.forward_backward(batch, "cross_entropy"),
+                                   lambda: tc.optim_step(params), steps, depth)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--depth", type=int, default=4)
     args = parser.parse_args()
-    native, gateway = [], []
+    native: list[Measure] = []
+    gateway: list[Measure] = []
     with bios.LocalCluster(http="127.0.0.1:0") as cluster:
+        assert cluster.coordinator is not None
+        coordinator = psutil.Process(cluster.coordinator.pid)
         with bios.ServiceClient(address=cluster.address) as ours, \
                 tinker.ServiceClient(base_url=cluster.http_url, api_key="tml-bench") as theirs:
+            loops = {"native": native_loop(ours, args.depth), "gateway": gateway_loop(theirs, args.depth)}
+            for loop in loops.values():
+                loop(4)  # warm up
             for _ in range(args.rounds):
-                native.append(native_loop(ours, args.steps, args.depth))
-                gateway.append(gateway_loop(theirs, args.steps, args.depth))
-    print(f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} cores; "
-          f"{BASE}, batch {len(TEXTS)}, {args.steps} steps x {args.rounds} rounds, pipeline depth {args.depth}")
-    print(f"{'path':<40} {'steps/s (median)':>17} {'all rounds':>24} {'ratio':>6}")
-    ref = statistics.median(native)
-    for name, runs in (("native SDK over ZeroMQ (reference)", native), ("tinker SDK over the HTTP gateway", gateway)):
-        rounds = " ".join(f"{r:.1f}" for r in runs)
-        print(f"{name:<40} {statistics.median(runs):17.2f} {rounds:>24} {statistics.median(runs) / ref:6.2f}")
+                native.append(measured(coordinator, lambda: loops["native"](args.steps), args.steps))
+                gateway.append(measured(coordinator, lambda: loops["gateway"](args.steps), args.steps))
+    print(f"machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} cores, "
+          f"load {psutil.getloadavg()[0]:.1f}; {BASE}, batch {len(TEXTS)}, {args.rounds} rounds of {args.steps} "
+          f"steps, pipeline depth {args.depth}")
+    print(f"{'path':<38} {'steps/s':>8} {'ratio':>6} {'client CPU ms/step':>19} {'coordinator CPU ms/step':>24}")
+    ratio = statistics.median(g.steps_per_s / n.steps_per_s for g, n in zip(gateway, native))
+    for name, runs, rel in (("native SDK over ZeroMQ (reference)", native, 1.0),
+                            ("tinker SDK over the HTTP gateway", gateway, ratio)):
+        rate = statistics.median(m.steps_per_s for m in runs)
+        client = statistics.median(m.client_cpu_ms for m in runs)
+        coord = statistics.median(m.coordinator_cpu_ms for m in runs)
+        print(f"{name:<38} {rate:8.2f} {rel:6.2f} {client:19.1f} {coord:24.1f}")
+    print("per-round steps/s, native / gateway: "
+          + "  ".join(f"{n.steps_per_s:.1f}/{g.steps_per_s:.1f}" for n, g in zip(native, gateway)))
 
 
 if __name__ == "__main__":

@@ -43,11 +43,13 @@ Render = Callable[[Any], Awaitable[Reply]]
 @dataclass
 class Promise:
     request_id: str
+    owner: str  # only its owner may retrieve it
     render: Render  # turns the request's result into its reply
     created: float = field(default_factory=time.monotonic)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     reply: Reply | None = None
     served_at: float | None = None
+    resubmittable: bool = False  # failed before reaching the coordinator: a resubmission starts afresh
 
 
 class Promises:
@@ -57,14 +59,16 @@ class Promises:
         self.keep_served_s = keep_served_s
         self.keep_unclaimed_s = keep_unclaimed_s
         self._promises: dict[str, Promise] = {}
+        self._pending = 0
         self._rendering: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def expect(self, request_id: str, render: Render) -> Promise:
+    def expect(self, request_id: str, owner: str, render: Render) -> Promise:
         """The promise of `request_id`, created unless it exists (a resubmitted request keeps its promise)."""
         promise = self._promises.get(request_id)
-        if promise is None:
-            promise = self._promises[request_id] = Promise(request_id, render)
+        if promise is None or promise.resubmittable:
+            promise = self._promises[request_id] = Promise(request_id, owner, render)
+            self._pending += 1
         return promise
 
     def forget(self, request_id: str) -> None:
@@ -72,6 +76,7 @@ class Promises:
         promise = self._promises.get(request_id)
         if promise is not None and promise.reply is None:
             del self._promises[request_id]
+            self._pending -= 1
 
     def deliver(self, done: m.RequestDone) -> None:
         """A result pushed by the coordinator; rendering runs as a task so the push never waits on it."""
@@ -95,18 +100,24 @@ class Promises:
             reply = json_reply(json_wire.failure(error))
         self.settle(promise.request_id, reply)
 
-    def fail(self, request_id: str, error: RemoteError) -> None:
-        self.settle(request_id, json_reply(json_wire.failure(error)))
+    def fail(self, request_id: str, error: RemoteError, *, resubmittable: bool = False) -> None:
+        promise = self._promises.get(request_id)
+        if promise is not None and promise.reply is None:
+            self.settle(request_id, json_reply(json_wire.failure(error)))
+            promise.resubmittable = resubmittable
 
     def settle(self, request_id: str, reply: Reply) -> None:
         promise = self._promises.get(request_id)
         if promise is not None and promise.reply is None:
             promise.reply = reply
             promise.ready.set()
+            self._pending -= 1
 
-    async def wait(self, request_id: str, timeout_s: float) -> Reply | None:
-        """The reply once ready, or None after `timeout_s` (or at shutdown). KeyError for an unknown id."""
+    async def wait(self, request_id: str, owner: str, timeout_s: float) -> Reply | None:
+        """The reply once ready, or None after `timeout_s` (or at shutdown). KeyError for an id unknown to `owner`."""
         promise = self._promises[request_id]
+        if promise.owner != owner:
+            raise KeyError(request_id)
         if promise.reply is None and not self._closed:
             try:
                 async with asyncio.timeout(timeout_s):
@@ -118,7 +129,8 @@ class Promises:
         return promise.reply
 
     def pending(self) -> int:
-        return sum(1 for p in self._promises.values() if p.reply is None)
+        """Promises still waiting for their result."""
+        return self._pending
 
     def sweep(self) -> int:
         """Drop replies served long enough ago, and results nobody came for; returns how many went."""

@@ -78,7 +78,15 @@ def create_model(body: Body) -> m.CreateModel:
         train_mlp=lora.flag("train_mlp", True),
         train_attn=lora.flag("train_attn", True),
     )
-    return m.CreateModel(body.text("session_id"), body.integer("model_seq_id"), body.text("base_model"), config)
+    return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model"), config)
+
+
+def _model_seq_id(body: Body) -> int:
+    """The per-session counter that names the run `{session_id}:train:{model_seq_id}`."""
+    model_seq_id = body.integer("model_seq_id")
+    if model_seq_id < 0:
+        raise BadRequestError(f"model_seq_id must be >= 0, got {model_seq_id}", field="model_seq_id")
+    return model_seq_id
 
 
 def _check_adamw(body: Body, name: str = "optimizer_config") -> None:
@@ -93,7 +101,7 @@ def load_weights(body: Body) -> m.LoadWeights | m.CreateModel:
     path, optimizer = body.text("path"), body.flag("optimizer", False)
     if body.data.get("session_id") is not None:
         _check_adamw(body)
-        return m.CreateModel(body.text("session_id"), body.integer("model_seq_id"), body.text("base_model", ""),
+        return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model", ""),
                              t.LoraConfig(), from_path=path, with_optimizer=optimizer)
     if body.data.get("model_id") is None:
         raise BadRequestError("load_weights needs model_id and seq_id (load into a run) or session_id and "

@@ -62,6 +62,17 @@ class SeqGate:
             self._arm(model_id, run)
         return ready
 
+    def rewind(self, model_id: str, seq_id: int, later: list[tuple[int, Any]]) -> None:
+        """Take back requests handed on but refused outright: `seq_id` is next again, `later` wait behind it."""
+        run = self._runs.get(model_id)
+        if run is None:
+            return
+        run.next_seq = min(run.next_seq, seq_id)
+        for later_seq, item in later:
+            run.held.setdefault(later_seq, item)
+        if run.held:
+            self._arm(model_id, run)
+
     def _arm(self, model_id: str, run: _Run) -> None:
         """Start the gap clock when a run starts waiting, and again after each bit of progress."""
         if run.timer is None:

@@ -43,6 +43,7 @@ from .ordering import SeqGate
 log = logging.getLogger(__name__)
 
 API = "/api/v1"
+OWNER = web.RequestKey("owner", str)  # who a request acts for, from its X-API-Key
 
 # HTTP status per error. A conflict (e.g. a checkpoint name in use) is a 400, not a 409: the Tinker SDK
 # retries 409 for five minutes, and retrying cannot resolve a conflict.
@@ -112,13 +113,21 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _http_error(500, f"internal error in the Bios gateway: {type(exc).__name__}: {exc}")
 
 
+def owner_of(api_key: str | None) -> str:
+    """The owner a request's X-API-Key stands for. Until API keys exist (loopback binds only) every `tml-` key
+    is the local owner, as every native client is; a missing or malformed key is refused.
+    """
+    if not api_key or not api_key.startswith("tml-"):
+        raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
+                                  "ServiceClient or set TINKER_API_KEY=tml-...")
+    return LOCAL_OWNER
+
+
 @web.middleware
 async def _authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
-    """Until API keys exist (loopback binds only), any `tml-` key is accepted; a missing one is a 401."""
-    if request.path != f"{API}/healthz" and not request.headers.get("X-API-Key", "").startswith("tml-"):
-        raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
-                                  "ServiceClient or set TINKER_API_KEY=tml-...")
+    if request.path != f"{API}/healthz":
+        request[OWNER] = owner_of(request.headers.get("X-API-Key"))
     return await handler(request)
 
 
@@ -156,13 +165,20 @@ def _session_of(model_id: str) -> str:
     return model_id.rpartition(":train:")[0]
 
 
+@dataclass(frozen=True)
+class _Ordered:
+    """A run's request on its way to the coordinator, with the owner it is submitted for."""
+
+    op: Any
+    owner: str
+
+
 class Gateway:
     """The HTTP front end of one coordinator; `start` binds it, `stop` drains long-polls and closes it."""
 
     def __init__(self, coordinator: Coordinator, config: GatewayConfig | None = None) -> None:
         self.coordinator = coordinator
         self.config = config or GatewayConfig()
-        self.owner = LOCAL_OWNER
         self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
         self.gate = SeqGate(self.config.seq_gap_s, self._gap_timed_out)
         self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
@@ -241,23 +257,23 @@ class Gateway:
             raise RateLimitError(f"the gateway has {self.config.max_pending} unfinished requests; retry shortly",
                                  retry_after=1.0)
 
-    def _check_session(self, session_id: str) -> None:
-        if self.coordinator.store.session_owner(session_id) != self.owner:
+    def _check_session(self, session_id: str, owner: str) -> None:
+        if self.coordinator.store.session_owner(session_id) != owner:
             raise NotFoundError(f"unknown session {session_id!r}; create one with create_session", field="session_id")
 
-    async def _submit(self, op: Any, render: Callable[[Any], Awaitable[Reply]]) -> str:
+    async def _submit(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
         """Hand an op to the coordinator now (create, sample); its promise exists before any result can arrive."""
         self._check_capacity()
         request_id = _request_id(op)
-        self.promises.expect(request_id, render)
+        self.promises.expect(request_id, owner, render)
         try:
-            await self.coordinator.submit(self.peer, op, self.owner)
+            await self.coordinator.submit(self.peer, op, owner)
         except BaseException:
             self.promises.forget(request_id)
             raise
         return request_id
 
-    async def _submit_ordered(self, op: Any, render: Callable[[Any], Awaitable[Reply]]) -> str:
+    async def _submit_ordered(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
         """Hand a run's request on in seq_id order: at once when its turn has come, else when the gap fills.
 
         A request handed on at once reports the coordinator's refusal as the HTTP error; one that waited has
@@ -265,30 +281,45 @@ class Gateway:
         """
         self._check_capacity()
         request_id = _request_id(op)
-        self.promises.expect(request_id, render)
-        ready = self.gate.admit(op.model_id, op.seq_id, op)
-        if not ready:
-            return request_id
-        first, *_ = self._hand_on(ready)
+        self.promises.expect(request_id, owner, render)
         try:
-            await first
+            ready = self.gate.admit(op.model_id, op.seq_id, _Ordered(op, owner))
+            if ready:
+                await self._hand_on(ready)
         except BaseException:
             self.promises.forget(request_id)
             raise
         return request_id
 
-    def _hand_on(self, ops: list[Any]) -> list[asyncio.Future[Any]]:
-        """Submit `ops` in this order (the scheduler's mailbox keeps call order); later ones report to promises."""
-        futures = [self.coordinator.submit(self.peer, op, self.owner) for op in ops]
-        for op, future in zip(ops[1:], futures[1:]):
-            future.add_done_callback(partial(self._handed_on, _request_id(op)))
-        return futures
+    def _hand_on(self, ready: list[_Ordered]) -> asyncio.Future[Any]:
+        """Submit in this order (the scheduler's mailbox keeps call order); returns the first one's acceptance.
+
+        The ones after the first were promised while they waited, so they report to their promises. One the
+        coordinator refuses outright (e.g. its owner's queue is full) never reached it: the gate takes it and
+        those after it back, so nothing reaches the coordinator out of order.
+        """
+        first: asyncio.Future[Any] | None = None
+        for i, item in enumerate(ready):
+            try:
+                future = self.coordinator.submit(self.peer, item.op, item.owner)
+            except Exception as exc:
+                self.gate.rewind(item.op.model_id, item.op.seq_id, [(r.op.seq_id, r) for r in ready[i + 1:]])
+                if first is None:
+                    raise
+                self.promises.fail(_request_id(item.op), RemoteError.from_exception(exc), resubmittable=True)
+                return first
+            if first is None:
+                first = future
+            else:
+                future.add_done_callback(partial(self._handed_on, _request_id(item.op)))
+        assert first is not None
+        return first
 
     def _handed_on(self, request_id: str, future: asyncio.Future[Any]) -> None:
         if not future.cancelled() and future.exception() is not None:
             self.promises.fail(request_id, RemoteError.from_exception(future.exception()))
 
-    def _consume(self, model_id: object, seq_id: object) -> None:
+    def _consume(self, model_id: object, seq_id: object, owner: str) -> None:
         """Use up the seq_id of a request refused here, so the run's later requests do not wait for it.
 
         The coordinator refuses the empty forward that stands in for it, which moves the run's queue on exactly
@@ -297,29 +328,30 @@ class Gateway:
         if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             return
         stand_in = m.ForwardBackward(model_id, seq_id, [], "cross_entropy")
-        ready = self.gate.admit(model_id, seq_id, stand_in)
+        ready = self.gate.admit(model_id, seq_id, _Ordered(stand_in, owner))
         if ready:
-            futures = self._hand_on(ready)
-            futures[0].add_done_callback(lambda f: f.cancelled() or f.exception())  # refused, as intended
+            with contextlib.suppress(Exception):  # if even this is refused, the gap timeout ends the wait
+                self._hand_on(ready).add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def _gap_timed_out(self, model_id: str, missing: int, ops: list[Any]) -> None:
-        for op in ops:
-            self.promises.fail(_request_id(op), RemoteError(
+    def _gap_timed_out(self, model_id: str, missing: int, held: list[_Ordered]) -> None:
+        for item in held:
+            self.promises.fail(_request_id(item.op), RemoteError(
                 "BadRequestError",
-                f"request seq_id {op.seq_id} of {model_id} was not run: seq_id {missing} never arrived within "
+                f"request seq_id {item.op.seq_id} of {model_id} was not run: seq_id {missing} never arrived within "
                 f"{self.config.seq_gap_s:.0f}s; resend seq_id {missing} and the requests after it",
                 field="seq_id",
-            ))
+            ), resubmittable=True)
 
-    async def _ordered(self, body: json_wire.Body, parse: Callable[[json_wire.Body], tuple[Any, Any]]
-                       ) -> web.Response:
+    async def _ordered(self, request: web.Request, body: json_wire.Body,
+                       parse: Callable[[json_wire.Body], tuple[Any, Any]]) -> web.Response:
         """Parse and submit a run's JSON request; one refused here still uses up its seq_id."""
+        owner = request[OWNER]
         try:
             op, render = parse(body)
         except BadRequestError:
-            self._consume(body.data.get("model_id"), body.data.get("seq_id"))
+            self._consume(body.data.get("model_id"), body.data.get("seq_id"), owner)
             raise
-        request_id = await self._submit_ordered(op, render)
+        request_id = await self._submit_ordered(op, owner, render)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     # ------------------------------------------------------------------------------------ session routes
@@ -339,14 +371,14 @@ class Gateway:
 
     async def create_session(self, request: web.Request) -> web.Response:
         await _json_body(request)
-        session_id = self.coordinator.open_session(self.owner)
+        session_id = self.coordinator.open_session(request[OWNER])
         self.samplers[session_id] = []
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def session_heartbeat(self, request: web.Request) -> web.Response:
         session_id = (await _json_body(request)).text("session_id")
+        self._check_session(session_id, request[OWNER])
         if not self.coordinator.store.touch_session(session_id):
-            self._check_session(session_id)
             return _http_error(410, f"session {session_id} is finished")
         return web.json_response({"type": "session_heartbeat"})
 
@@ -355,20 +387,22 @@ class Gateway:
 
     async def finish_session(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
-        self._check_session(session_id)
+        self._check_session(session_id, request[OWNER])
         self.coordinator.store.close_session(session_id)
         return web.json_response({})
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         """Sessions that own runs, and those opened through this gateway since it started."""
-        ids = dict.fromkeys([r.session_id for r in self.coordinator.store.list_runs(self.owner)] + list(self.samplers))
+        owner = request[OWNER]
+        opened = [s for s in self.samplers if self.coordinator.store.session_owner(s) == owner]
+        ids = dict.fromkeys([r.session_id for r in self.coordinator.store.list_runs(owner)] + opened)
         offset, limit = _query_int(request, "offset", 0), _query_int(request, "limit", 20)
         return web.json_response({"sessions": list(ids)[offset: offset + limit]})
 
     async def get_session(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
-        self._check_session(session_id)
-        runs = [r.model_id for r in self.coordinator.store.list_runs(self.owner) if r.session_id == session_id]
+        session_id, owner = request.match_info["session_id"], request[OWNER]
+        self._check_session(session_id, owner)
+        runs = [r.model_id for r in self.coordinator.store.list_runs(owner) if r.session_id == session_id]
         return web.json_response({"training_run_ids": runs, "sampler_ids": self.samplers.get(session_id, [])})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -380,16 +414,16 @@ class Gateway:
     # ------------------------------------------------------------------------------------ training routes
 
     async def create_model(self, request: web.Request) -> web.Response:
-        op = json_wire.create_model(await _json_body(request))
-        self._check_session(op.session_id)
+        op, owner = json_wire.create_model(await _json_body(request)), request[OWNER]
+        self._check_session(op.session_id, owner)
         model_id = model_id_of(op)
-        request_id = await self._submit(op, self._render_created)
+        request_id = await self._submit(op, owner, self._render_created)
         self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     async def get_info(self, request: web.Request) -> web.Response:
         model_id = (await _json_body(request)).text("model_id")
-        info = await self.coordinator.query(m.GetInfo(model_id), self.owner)
+        info = await self.coordinator.query(m.GetInfo(model_id), request[OWNER])
         return web.json_response(json_wire.get_info(info))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
@@ -401,17 +435,17 @@ class Gateway:
         try:
             op = proto.forward_backward_op(msg)
         except BadRequestError:
-            self._consume(msg.model_id, msg.seq_id)
+            self._consume(msg.model_id, msg.seq_id, request[OWNER])
             raise
-        request_id = await self._submit_ordered(op, self._render_forward_backward)
+        request_id = await self._submit_ordered(op, request[OWNER], self._render_forward_backward)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     async def optim_step(self, request: web.Request) -> web.Response:
-        return await self._ordered(await _json_body(request),
+        return await self._ordered(request, await _json_body(request),
                                    lambda body: (json_wire.optim_step(body), self._render_optim_step))
 
     async def save_weights(self, request: web.Request) -> web.Response:
-        return await self._ordered(await _json_body(request),
+        return await self._ordered(request, await _json_body(request),
                                    lambda body: (json_wire.save_weights(body), self._render_saved))
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
@@ -419,45 +453,46 @@ class Gateway:
             op, sampling_seq = json_wire.save_weights_for_sampler(body)
             if sampling_seq is None:
                 return op, self._render_sampler_saved
-            return op, partial(self._render_sampling_session, _session_of(op.model_id), sampling_seq)
+            return op, partial(self._render_sampling_session, request[OWNER], _session_of(op.model_id),
+                               sampling_seq)
 
-        return await self._ordered(await _json_body(request), parse)
+        return await self._ordered(request, await _json_body(request), parse)
 
     async def load_weights(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body, owner = await _json_body(request), request[OWNER]
         if body.data.get("session_id") is None:
-            return await self._ordered(body, lambda body: (json_wire.load_weights(body), self._render_loaded))
+            return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self._render_loaded))
         op = json_wire.load_weights(body)
-        self._check_session(op.session_id)
+        self._check_session(op.session_id, owner)
         model_id = model_id_of(op)
-        request_id = await self._submit(op, partial(self._render_created_from, op.from_path))
+        request_id = await self._submit(op, owner, partial(self._render_created_from, op.from_path))
         self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     # ------------------------------------------------------------------------------------ sampling routes
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
-        query = json_wire.create_sampling_session(await _json_body(request))
-        self._check_session(query.session_id)
-        session = await self.coordinator.query(query, self.owner)
+        query, owner = json_wire.create_sampling_session(await _json_body(request)), request[OWNER]
+        self._check_session(query.session_id, owner)
+        session = await self.coordinator.query(query, owner)
         self.samplers.setdefault(query.session_id, []).append(session.sampling_session_id)
         return web.json_response({"type": "create_sampling_session",
                                   "sampling_session_id": session.sampling_session_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
-        session = await self.coordinator.query(m.GetSamplingSession(request.match_info["sampler_id"]), self.owner)
-        return web.json_response(json_wire.sampler(session))
+        query = m.GetSamplingSession(request.match_info["sampler_id"])
+        return web.json_response(json_wire.sampler(await self.coordinator.query(query, request[OWNER])))
 
     async def asample(self, request: web.Request) -> web.Response:
         op, last_n = json_wire.sample(await _json_body(request))
-        request_id = await self._submit(op, partial(self._render_sample, last_n))
+        request_id = await self._submit(op, request[OWNER], partial(self._render_sample, last_n))
         return web.json_response({"request_id": request_id,
                                   "sample_sequence_ids": [f"{request_id}:{i}" for i in range(op.num_samples)]})
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
         request_id = (await _json_body(request)).text("request_id")
         try:
-            reply = await self.promises.wait(request_id, self.config.poll_s)
+            reply = await self.promises.wait(request_id, request[OWNER], self.config.poll_s)
         except KeyError:
             raise NotFoundError(f"no request {request_id!r} was submitted through this gateway (or its result "
                                 "expired)", field="request_id") from None
@@ -469,27 +504,27 @@ class Gateway:
 
     async def list_training_runs(self, request: web.Request) -> web.Response:
         query = m.ListTrainingRuns(_query_int(request, "limit", 20), _query_int(request, "offset", 0))
-        return web.json_response(json_wire.training_runs(await self.coordinator.query(query, self.owner)))
+        return web.json_response(json_wire.training_runs(await self.coordinator.query(query, request[OWNER])))
 
     async def get_training_run(self, request: web.Request) -> web.Response:
-        run = await self.coordinator.query(m.GetTrainingRun(request.match_info["run_id"]), self.owner)
+        run = await self.coordinator.query(m.GetTrainingRun(request.match_info["run_id"]), request[OWNER])
         return web.json_response(json_wire.training_run(run))
 
     async def list_checkpoints(self, request: web.Request) -> web.Response:
-        listing = await self.coordinator.query(m.ListCheckpoints(request.match_info["run_id"]), self.owner)
+        listing = await self.coordinator.query(m.ListCheckpoints(request.match_info["run_id"]), request[OWNER])
         return web.json_response({"checkpoints": [json_wire.checkpoint(c) for c in listing.checkpoints]})
 
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         info = request.match_info
         path = json_wire.checkpoint_path(info["run_id"], f"{info['kind']}/{info['name']}")
-        await self.coordinator.query(m.DeleteCheckpoint(path), self.owner)
+        await self.coordinator.query(m.DeleteCheckpoint(path), request[OWNER])
         return web.json_response({})
 
     async def list_user_checkpoints(self, request: web.Request) -> web.Response:
-        limit, offset = _query_int(request, "limit", 100), _query_int(request, "offset", 0)
+        owner, limit, offset = request[OWNER], _query_int(request, "limit", 100), _query_int(request, "offset", 0)
         checkpoints: list[t.Checkpoint] = []
-        for run in self.coordinator.store.list_runs(self.owner):
-            listing = await self.coordinator.query(m.ListCheckpoints(run.model_id), self.owner)
+        for run in self.coordinator.store.list_runs(owner):
+            listing = await self.coordinator.query(m.ListCheckpoints(run.model_id), owner)
             checkpoints.extend(listing.checkpoints)
         checkpoints.sort(key=lambda c: c.time, reverse=True)
         page = [json_wire.checkpoint(c) for c in checkpoints[offset: offset + limit]]
@@ -497,11 +532,12 @@ class Gateway:
         return web.json_response({"checkpoints": page, "cursor": cursor})
 
     async def weights_info(self, request: web.Request) -> web.Response:
+        owner = request[OWNER]
         path = CheckpointPath.parse((await _json_body(request)).text("tinker_path"), field="tinker_path")
-        listing = await self.coordinator.query(m.ListCheckpoints(path.run_id), self.owner)
+        listing = await self.coordinator.query(m.ListCheckpoints(path.run_id), owner)
         if not any(c.bios_path == str(path) for c in listing.checkpoints):
             raise NotFoundError(f"no checkpoint at {json_wire.tinker_path(str(path))}", field="tinker_path")
-        run = await self.coordinator.query(m.GetTrainingRun(path.run_id), self.owner)
+        run = await self.coordinator.query(m.GetTrainingRun(path.run_id), owner)
         return web.json_response(json_wire.weights_info(run))
 
     # ------------------------------------------------------------------------------------ results
@@ -524,11 +560,11 @@ class Gateway:
     async def _render_sampler_saved(self, out: t.SaveWeightsForSamplerResponse) -> Reply:
         return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_for_sampler"})
 
-    async def _render_sampling_session(self, session_id: str, sampling_seq: int,
+    async def _render_sampling_session(self, owner: str, session_id: str, sampling_seq: int,
                                        out: t.SaveWeightsForSamplerResponse) -> Reply:
-        """An unnamed save's result is a sampling session on the new checkpoint (save_weights_and_get_sampling_client)."""
+        """An unnamed save's result is a sampling session on its checkpoint: save_weights_and_get_sampling_client."""
         query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
-        session = await self.coordinator.query(query, self.owner)
+        session = await self.coordinator.query(query, owner)
         self.samplers.setdefault(session_id, []).append(session.sampling_session_id)
         return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
                            "type": "save_weights_for_sampler"})
