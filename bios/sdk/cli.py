@@ -18,6 +18,8 @@ def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--cycle-s", type=float, default=0.0, help="seconds between cycles (0 = back-to-back)")
     up.add_argument("--state-dir", default="bios-state")
     up.add_argument("--worker-threads", type=int, default=None)
+    up.add_argument("--model-map", default=None, metavar="FILE",
+                    help="JSON map of model names (e.g. Qwen/Qwen3-8B-Base) to local model directories")
     up.set_defaults(func=run_up)
 
     status = subparsers.add_parser("status", help="workers, generation, queue depth and cycles of a cluster")
@@ -54,8 +56,9 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    env = {"BIOS_MODEL_MAP": os.path.abspath(args.model_map)} if args.model_map else None
     cluster = LocalCluster(workers=args.workers, listen=args.listen, cycle_s=args.cycle_s,
-                           state_dir=args.state_dir, worker_threads=args.worker_threads)
+                           state_dir=args.state_dir, worker_threads=args.worker_threads, env=env)
     cluster.start()
     print(f"bios cluster up: clients connect to {cluster.address} ({args.workers} worker(s), "
           f"state in {args.state_dir}); Ctrl-C stops it", flush=True)

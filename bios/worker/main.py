@@ -11,6 +11,8 @@ import sys
 
 import torch
 
+from bios.exceptions import AuthenticationError
+
 from .daemon import WorkerConfig, WorkerDaemon, default_device
 
 
@@ -22,11 +24,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--worker-id", default="", help="stable id for this worker (default: host-pid-random)")
     p.add_argument("--token", default=os.environ.get("BIOS_WORKER_TOKEN"), help="cluster worker token")
+    p.add_argument("--model-map", default=None, metavar="FILE",
+                   help="JSON map of model names to local directories (same as BIOS_MODEL_MAP)")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
 
 async def run(args: argparse.Namespace) -> None:
+    if args.model_map:
+        os.environ["BIOS_MODEL_MAP"] = args.model_map  # bios.models reads names through this
     device = torch.device(args.device) if args.device else default_device()
     daemon = WorkerDaemon(WorkerConfig(coordinator=args.coordinator, device=device,
                                        worker_id=args.worker_id, token=args.token))
@@ -48,9 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(run(args))
+        runner = asyncio.run
     else:
-        uvloop.run(run(args))
+        runner = uvloop.run
+    try:
+        runner(run(args))
+    except AuthenticationError as exc:
+        logging.getLogger(__name__).error("cannot join: %s", exc)
+        return 2
     return 0
 
 
