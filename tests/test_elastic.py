@@ -119,10 +119,10 @@ def test_losing_every_worker_resumes_from_the_automatic_checkpoint():
         tc = svc.create_lora_training_client(BASE, rank=8, seed=52)
         for f in _train(tc, 4):
             f.result(120)
+        before = tc.forward(BATCH).result(60).loss  # runs after the cycle that saved step 4's checkpoint
         assert [c.bios_path.rsplit("/", 1)[-1] for c in
                 svc.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints] == \
             ["auto-000002", "auto-000004"]
-        before = tc.forward(BATCH).result(60).loss
         cluster.workers[0].send_signal(signal.SIGKILL)
         cluster.workers[0].wait()
         pending = tc.forward(BATCH)  # queued while no worker is alive
@@ -136,10 +136,15 @@ def test_losing_every_worker_resumes_from_the_automatic_checkpoint():
 def test_four_runs_share_one_base_model_and_one_cycle(ticking_service):
     service = ticking_service
     clients = [service.create_lora_training_client(BASE, rank=8, seed=60 + i) for i in range(4)]
-    before = service.cluster_status().cycles_run
-    together = [tc.forward_backward(BATCH[i:i + 3]) for i, tc in enumerate(clients)]
-    results = [f.result(60) for f in together]
-    assert service.cluster_status().cycles_run - before == 1
+    for _attempt in range(3):  # a tick may fall between two submissions on a loaded machine: try again
+        before = service.cluster_status().cycles_run
+        together = [tc.forward_backward(BATCH[i:i + 3]) for i, tc in enumerate(clients)]
+        results = [f.result(60) for f in together]
+        if service.cluster_status().cycles_run - before == 1:
+            break
+    else:
+        raise AssertionError("four runs' requests, submitted together, never shared a cycle")
+    # No optim_step ran, so every attempt saw the initial weights: each loss is that of the run alone.
     for i in range(4):  # each equals the same run trained alone
         alone = service.create_lora_training_client(BASE, rank=8, seed=60 + i)
         assert alone.forward_backward(BATCH[i:i + 3]).result(60).loss == pytest.approx(results[i].loss, rel=1e-6)

@@ -152,15 +152,22 @@ async def test_futures_awaited_in_reverse_still_follow_submission_order(service)
 
 async def test_pipelined_requests_share_a_cycle_and_awaited_ones_do_not(ticking_service):
     tc = await ticking_service.create_lora_training_client_async(BASE, rank=8, seed=6)
-    before = (await ticking_service.cluster_status_async()).cycles_run
-    fwd = await tc.forward_backward_async(BATCH, "cross_entropy")
-    opt = await tc.optim_step_async()
-    await asyncio.gather(fwd, opt)
-    together = (await ticking_service.cluster_status_async()).cycles_run - before
 
-    before = (await ticking_service.cluster_status_async()).cycles_run
-    await (await tc.forward_backward_async(BATCH, "cross_entropy"))
-    await (await tc.optim_step_async())
-    apart = (await ticking_service.cluster_status_async()).cycles_run - before
-    assert together == 1
-    assert apart == 2
+    async def cycles_for(steps) -> int:
+        before = (await ticking_service.cluster_status_async()).cycles_run
+        await steps()
+        return (await ticking_service.cluster_status_async()).cycles_run - before
+
+    async def pipelined() -> None:
+        fwd = await tc.forward_backward_async(BATCH, "cross_entropy")
+        opt = await tc.optim_step_async()
+        await asyncio.gather(fwd, opt)
+
+    async def awaited() -> None:
+        await (await tc.forward_backward_async(BATCH, "cross_entropy"))
+        await (await tc.optim_step_async())
+
+    # A tick can fall between two submissions on a loaded machine; the claim is that it need not.
+    together = [await cycles_for(pipelined) for _ in range(3)]
+    assert 1 in together and max(together) <= 2
+    assert await cycles_for(awaited) == 2
