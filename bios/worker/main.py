@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 import torch
@@ -21,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coordinator", default=os.environ.get("BIOS_COORDINATOR", "tcp://127.0.0.1:7600"),
                    help="the coordinator's client address")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--gpus", default=None, metavar="all|N",
+                   help="fork one worker process per GPU (all visible ones, or the first N)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--worker-id", default="", help="stable id for this worker (default: host-pid-random)")
     p.add_argument("--token", default=os.environ.get("BIOS_WORKER_TOKEN"), help="cluster worker token")
@@ -42,8 +45,32 @@ async def run(args: argparse.Namespace) -> None:
     await daemon.run()
 
 
+def fork_per_gpu(argv: list[str], gpus: str) -> int:
+    """`--gpus all`: one child worker per device (`--device cuda:i`), stopped together on SIGTERM/SIGINT."""
+    available = torch.cuda.device_count()
+    wanted = available if gpus == "all" else int(gpus)
+    if available == 0 or not 1 <= wanted <= available:
+        print(f"bios-worker: --gpus {gpus} asks for {wanted} GPU(s) but {available} are visible; "
+              "run without --gpus to use the CPU", file=sys.stderr)
+        return 2
+    base = [a for i, a in enumerate(argv) if a != "--gpus" and (i == 0 or argv[i - 1] != "--gpus")]
+    children = [subprocess.Popen([sys.executable, "-m", "bios.worker.main", *base, "--device", f"cuda:{i}"])
+                for i in range(wanted)]
+
+    def forward(signum: int, frame: object) -> None:
+        for child in children:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return max(child.wait() for child in children)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.gpus is not None:
+        return fork_per_gpu(argv, args.gpus)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
