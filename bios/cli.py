@@ -1,4 +1,4 @@
-"""The `bios` command: `demo`, `up`, `status`, `models ...`."""
+"""The `bios` command: `demo`, `up`, `status`, `models ...`, `keys ...`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import bios
 from bios.demo.cli import add_demo_parser
 from bios.models.cli import add_models_parser
 from bios.sdk.cli import add_cluster_parsers
+from bios.security.cli import add_keys_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(commands)
     add_cluster_parsers(commands)
     add_models_parser(commands)
+    add_keys_parser(commands)
     return parser
 
 

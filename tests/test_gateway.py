@@ -345,6 +345,9 @@ async def test_backpressure_is_a_429_with_retry_after():
         def attach_local_client(self, name, on_done):
             return b"gateway"
 
+        def authenticate(self, api_key):
+            return "local"
+
     gateway = Gateway(NeverSubmitted(), GatewayConfig(max_pending=0))  # full from the start
     body = {"sampling_session_id": "s:sample:0", "seq_id": 0, "num_samples": 1,
             "prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]}, "sampling_params": {"max_tokens": 1}}

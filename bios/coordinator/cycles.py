@@ -24,6 +24,7 @@ from bios.actors.actor import ActorRef
 
 from .clock import CycleClock
 from .membership import Member, Membership
+from .metrics import CoordinatorMetrics
 from .scheduler import Adapters, CycleEnded, Finished, RunsLost, SelectWork
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class _Forming:
 class CycleRunner:
     def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
                  load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
-                 collective_timeout_s: float) -> None:
+                 collective_timeout_s: float, metrics: CoordinatorMetrics | None = None) -> None:
         self.scheduler = scheduler
         self.clock = clock
         self.membership = membership
@@ -71,6 +72,7 @@ class CycleRunner:
         self.latest_checkpoint = latest_checkpoint
         self.probe = probe
         self.collective_timeout_s = collective_timeout_s
+        self.metrics = metrics or CoordinatorMetrics()
         self.current: _Cycle | None = None
         self.forming: _Forming | None = None
         self.generation = -1
@@ -129,7 +131,9 @@ class CycleRunner:
         await cycle.done.wait()
         self.current = None
         await self._release_leavers()
-        self.clock.cycle_ran(time.monotonic() - started)
+        duration = time.monotonic() - started
+        self.clock.cycle_ran(duration)
+        self.metrics.cycle_ran(duration, aborted=cycle.aborted)
         self._check_replicas(cycle)
         self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted))
         if cycle.aborted:

@@ -11,6 +11,10 @@ import signal
 import sys
 from pathlib import Path
 
+from bios.security.limits import Quotas
+from bios.security.listen import InsecureListenError
+
+from .metrics import JsonLogFormatter, serve_metrics
 from .server import Coordinator, CoordinatorConfig
 
 
@@ -26,8 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-checkpoints", type=int, default=2, help="automatic checkpoints kept per run")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one)")
+    p.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("BIOS_LOG_FORMAT", "text"),
+                   help="json: one object per line, with run_id/request_id fields where a line has them")
     return p.parse_args(argv)
 
 
@@ -40,6 +48,7 @@ async def run(args: argparse.Namespace) -> None:
         heartbeat_timeout_s=args.heartbeat_timeout,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
+        quotas=Quotas.from_env(),
     )
     coordinator = Coordinator(config)
     addresses = await coordinator.start()
@@ -49,9 +58,13 @@ async def run(args: argparse.Namespace) -> None:
         from bios.gateway.server import start_gateway
 
         gateway = await start_gateway(coordinator, args.http)
+    metrics = None
+    if args.metrics:
+        metrics = await serve_metrics(coordinator.metrics, args.metrics, coordinator.refresh_metrics)
     if args.ready_file is not None:
         ready = {"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid(),
-                 "http": gateway.url if gateway is not None else None}
+                 "http": gateway.url if gateway is not None else None,
+                 "metrics": metrics.url if metrics is not None else None}
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ready))
         tmp.replace(args.ready_file)
@@ -65,24 +78,30 @@ async def run(args: argparse.Namespace) -> None:
     logging.getLogger(__name__).info("coordinator stopping")
     if gateway is not None:
         await gateway.stop()
+    if metrics is not None:
+        await metrics.stop()
     await coordinator.stop()
-    if serving.done() and serving.exception() is not None:
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
         raise serving.exception()  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s coordinator %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter("coordinator") if args.log_format == "json" else
+                         logging.Formatter("%(asctime)s coordinator %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
         import uvloop
     except ImportError:
-        asyncio.run(run(args))
+        runner = asyncio.run
     else:
-        uvloop.run(run(args))
+        runner = uvloop.run
+    try:
+        runner(run(args))
+    except InsecureListenError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
     return 0
 
 

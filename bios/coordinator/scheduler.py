@@ -19,11 +19,13 @@ from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import ERROR_TYPES, BadRequestError, BiosAPIError, NotFoundError
+from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 from bios.validation import validate_adam_params, validate_forward_backward, validate_lora_rank, validate_sample
 
 from .catalog import Catalog
+from .metrics import CoordinatorMetrics
 from .runs import Queued, Run, model_id_of, request_id_for, seq_of
 from .store import Store
 
@@ -74,7 +76,7 @@ class CycleEnded:
 
 @dataclass(frozen=True)
 class QueueDepth:
-    pass
+    by_pool: bool = False  # a dict base model -> depth instead of the total
 
 
 @dataclass(frozen=True)
@@ -98,13 +100,16 @@ class Sampler:
 
 class Scheduler(Actor):
     def __init__(self, store: Store, catalog: Catalog, codec: Codec, push: Push, on_work: Callable[[], None],
-                 config: SchedulerConfig | None = None) -> None:
+                 config: SchedulerConfig | None = None, ledger: QuotaLedger | None = None,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.store = store
         self.catalog = catalog
         self.codec = codec
         self.push = push
         self.on_work = on_work
         self.config = config or SchedulerConfig()
+        self.ledger = ledger or QuotaLedger(Quotas())
+        self.metrics = metrics or CoordinatorMetrics()
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.samples: list[Queued] = []
@@ -129,8 +134,19 @@ class Scheduler(Actor):
         if isinstance(message, RunsLost):
             return await self._runs_lost(message.model_ids)
         if isinstance(message, QueueDepth):
+            if message.by_pool:
+                return self._queue_depths()
             return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
         raise TypeError(f"scheduler got unexpected {type(message).__name__}")
+
+    def _queue_depths(self) -> dict[str, int]:
+        """Waiting requests per base-model pool (training queues and samples)."""
+        depths: dict[str, int] = {}
+        for run in self.runs.values():
+            depths[run.base_model] = depths.get(run.base_model, 0) + len(run.queue)
+        for queued in self.samples:
+            depths[queued.op.base_model] = depths.get(queued.op.base_model, 0) + 1
+        return depths
 
     # ------------------------------------------------------------------------------------ accept
 
@@ -141,10 +157,13 @@ class Scheduler(Actor):
         model_id = model_id_of(op)
         seq_id = seq_of(op)
         request_id = request_id_for(model_id, seq_id)
+        self._check_owner(model_id, sub.owner)
         stored = self.store.get_request(request_id)
         if stored is not None:
             return await self._resubmitted(sub.peer, stored)
+        nbytes = sum(len(f) for f in sub.frames)
         if isinstance(op, m.CreateModel):
+            self.ledger.check(sub.owner, nbytes=nbytes, sampling=False)
             op, run = self._create_run(model_id, op, sub.owner)
         else:
             run = self._run_for(model_id, sub.owner)
@@ -154,6 +173,8 @@ class Scheduler(Actor):
                     f"{max([run.next_seq, *run.queue]) + 1}",
                     field="seq_id",
                 )
+            if seq_id != run.next_seq:  # a run's next request always gets in: later ones, accepted while it was
+                self.ledger.check(sub.owner, nbytes=nbytes, sampling=False)  # refused, must not keep it out
         try:
             op = self._prepare(op, run, sub.owner)
         except BiosAPIError as exc:  # rejected: the seq_id is used up, so the run's queue moves past it
@@ -165,6 +186,8 @@ class Scheduler(Actor):
             self.on_work()
             raise
         self.store.add_request(request_id, model_id, seq_id, type(op).__name__, sub.frames)
+        self.ledger.record(request_id, sub.owner, nbytes=nbytes, sampling=False)
+        self.metrics.request_accepted(request_id, op)
         run.enqueue(seq_id, Queued(request_id, op))
         self.waiters.setdefault(request_id, set()).add(sub.peer)
         if run.runnable():
@@ -174,17 +197,30 @@ class Scheduler(Actor):
     async def _submit_sample(self, sub: Submit) -> m.Accepted:
         op: m.Sample = sub.op
         request_id = request_id_for(op.sampling_session_id, op.seq_id)
+        sampler = self.samplers.get(op.sampling_session_id)
+        known = (sampler.owner,) if sampler is not None else self.store.get_sampling_session(op.sampling_session_id)
+        if known is not None and known[0] != sub.owner:
+            raise NotFoundError(f"no sampling session {op.sampling_session_id!r}; create one with "
+                                "create_sampling_client", field="sampling_session_id")
         stored = self.store.get_request(request_id)
         if stored is not None:
             return await self._resubmitted(sub.peer, stored)
         sampler = self._sampler_for(op.sampling_session_id, sub.owner)
+        nbytes = sum(len(f) for f in sub.frames)
+        self.ledger.check(sub.owner, nbytes=nbytes, sampling=True)
         try:
             validate_sample(op.prompt, op.num_samples, op.sampling_params, self.base_infos.get(sampler.base_model))
+            max_tokens = op.sampling_params.max_tokens or 1
+            self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
         except BiosAPIError as exc:
             self._reject(request_id, op.sampling_session_id, op.seq_id, op, exc)
             raise
-        op = dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path)
+        # only the coordinator names the weights a sample uses: a client's adapter_state never reaches a worker
+        op = dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path,
+                                 adapter_state=None)
         self.store.add_request(request_id, op.sampling_session_id, op.seq_id, "Sample", sub.frames)
+        self.ledger.record(request_id, sub.owner, nbytes=nbytes, sampling=True)
+        self.metrics.request_accepted(request_id, op)
         self.samples.append(Queued(request_id, op))
         self.waiters.setdefault(request_id, set()).add(sub.peer)
         self.on_work()
@@ -206,7 +242,22 @@ class Scheduler(Actor):
             self.waiters.setdefault(stored.request_id, set()).add(peer)
         return m.Accepted(stored.request_id)
 
+    def _check_owner(self, model_id: str, owner: str) -> None:
+        """NotFoundError for a run of another key, before anything (even a stored result) is revealed about it."""
+        run = self.runs.get(model_id)
+        stored_owner = run.owner if run is not None else getattr(self.store.get_run(model_id), "owner", owner)
+        if stored_owner != owner:
+            raise NotFoundError(f"no training run {model_id!r}; create one with create_lora_training_client",
+                                field="model_id")
+
+    def _check_session(self, session_id: str, owner: str) -> None:
+        """Runs and samplers are named after the creating session, which must be the caller's own."""
+        if self.store.session_owner(session_id) != owner:
+            raise NotFoundError(f"no session {session_id!r}: create runs through a ServiceClient",
+                                field="session_id")
+
     def _create_run(self, model_id: str, op: m.CreateModel, owner: str) -> tuple[m.CreateModel, Run]:
+        self._check_session(op.session_id, owner)
         if model_id in self.runs:
             raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
         if op.from_path is not None:
@@ -217,6 +268,8 @@ class Scheduler(Actor):
                                 train_mlp=bool(meta.get("train_mlp", True)),
                                 train_attn=bool(meta.get("train_attn", True)))
             op = dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
+        elif op.state is not None:  # starting weights come from the caller's own checkpoints only
+            op = dataclasses.replace(op, state=None)
         run = Run(model_id, op.session_id, owner, op.base_model, op.lora)
         self.runs[model_id] = run
         self.store.add_run(model_id, op.session_id, owner, op.base_model, dataclasses.asdict(op.lora))
@@ -245,6 +298,7 @@ class Scheduler(Actor):
             if not op.base_model:
                 raise BadRequestError("base_model is empty", field="base_model")
         elif isinstance(op, m.ForwardBackward):
+            self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
             if run.info is not None:
                 validate_forward_backward(op.data, op.loss_fn, op.loss_fn_config, run.info)
         elif isinstance(op, m.OptimStep):
@@ -302,6 +356,7 @@ class Scheduler(Actor):
             result, error = self._store_checkpoint(op, result, request_id)
         if "#auto-" in request_id:
             return
+        self.metrics.request_finished(request_id, op, result, error)
         model_id = request_id.rpartition("#")[0]
         run = self.runs.get(model_id)
         if isinstance(result, m.ModelCreated) and run is not None:
@@ -313,6 +368,7 @@ class Scheduler(Actor):
             self.store.set_run_status(model_id, "failed")
         frames = self._encode_done(m.RequestDone(request_id, result, error, done.cycle_id))
         self.store.finish_request(request_id, "failed" if error else "done", frames)
+        self.ledger.release(request_id)
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
 
@@ -398,6 +454,7 @@ class Scheduler(Actor):
         return run
 
     def _create_sampler(self, owner: str, body: m.CreateSamplingSession) -> m.SamplingSession:
+        self._check_session(body.session_id, owner)
         if body.model_path is None and not body.base_model:
             raise BadRequestError("give a model_path (a sampler checkpoint) or a base_model", field="model_path")
         base_model, model_path = body.base_model, None

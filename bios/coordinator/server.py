@@ -21,12 +21,17 @@ from bios import types as t
 from bios.actors.actor import ActorRef, Policy, spawn
 from bios.actors.remote import serve
 from bios.exceptions import AuthenticationError, BadRequestError, NotFoundError, RequestFailedError
-from bios.transport.codec import Envelope
+from bios.security.keys import KeyStore
+from bios.security.limits import QuotaLedger, Quotas
+from bios.security.listen import check_listen
+from bios.security.zap import CLIENT_DOMAIN, WORKER_DOMAIN, ZapHandler
+from bios.transport.codec import Envelope, Limits
 from bios.transport.sockets import Router, next_message_id
 
 from .clock import CycleClock
 from .cycles import CycleRunner
 from .membership import Membership
+from .metrics import CoordinatorMetrics
 from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
 from .scheduler import Query, QueueDepth, Scheduler, SchedulerConfig, Submit
@@ -53,6 +58,7 @@ class CoordinatorConfig:
     worker_heartbeat_s: float = 1.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    quotas: Quotas = Quotas()
 
 
 @dataclass(frozen=True)
@@ -61,18 +67,40 @@ class Addresses:
     workers: str
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a client connection is: the owner of its work (its key's id) and, with keys, the CurveZMQ public key
+    its Hello came from, so no other connection can speak for it."""
+
+    owner: str
+    connection_key: str | None
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
+        self.keys = KeyStore.open(config.state_dir)
+        check_listen(config.listen, keys=self.keys is not None)
         self.ctx = zmq.asyncio.Context()
         self.codec = m.make_codec()
-        self.clients = Router(self.ctx, self.codec)
-        self.workers = Router(self.ctx, self.codec)
+        client_codec = m.make_codec(Limits(max_message_bytes=config.quotas.max_message_bytes))
+        self.zap: ZapHandler | None = None
+        if self.keys is None:
+            self.clients = Router(self.ctx, client_codec)
+            self.workers = Router(self.ctx, self.codec)
+        else:  # CurveZMQ on both sockets; the ZAP handler admits only token holders to the worker socket
+            security = self.keys.cluster.server_security()
+            self.zap = ZapHandler(self.ctx, self.keys.cluster.worker_token().curve_public_key())
+            self.clients = Router(self.ctx, client_codec, security=security, zap_domain=CLIENT_DOMAIN)
+            self.workers = Router(self.ctx, self.codec, security=security, zap_domain=WORKER_DOMAIN)
+        self.ledger = QuotaLedger(config.quotas)
         self.store = Store(config.state_dir)
         self.catalog = Catalog(self.store, DirectoryCheckpointStore(config.state_dir / "checkpoints"))
         self.clock = CycleClock(config.cycle_s)
         self.membership = Membership(config.heartbeat_timeout_s)
+        self.metrics = CoordinatorMetrics()
         self.sessions: dict[bytes, str] = {}
+        self.callers: dict[bytes, Caller] = {}
         self._worker_asks: dict[int, asyncio.Future[Any]] = {}
         self._local_clients: dict[bytes, Callable[[m.RequestDone], None]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -81,6 +109,8 @@ class Coordinator:
         self.runner: CycleRunner
 
     async def start(self) -> Addresses:
+        if self.zap is not None:
+            self.zap.start()
         clients = self.clients.bind(self.config.listen)
         client_port = int(clients.rsplit(":", 1)[1])
         host = clients.rsplit(":", 1)[0]
@@ -90,7 +120,8 @@ class Coordinator:
         workers = self.workers.bind(f"{host}:{worker_port}")
         scheduling = SchedulerConfig(self.config.checkpoint_every, self.config.keep_checkpoints)
         self.scheduler = spawn(
-            lambda: Scheduler(self.store, self.catalog, self.codec, self._push, self.clock.work_queued, scheduling),
+            lambda: Scheduler(self.store, self.catalog, self.codec, self._push, self.clock.work_queued, scheduling,
+                              self.ledger, self.metrics),
             name="scheduler",
             policy=Policy.RESUME,
         )
@@ -100,6 +131,7 @@ class Coordinator:
             latest_checkpoint=self._latest_checkpoint,
             probe=self._probe,
             collective_timeout_s=self.config.heartbeat_timeout_s,
+            metrics=self.metrics,
         )
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -131,6 +163,10 @@ class Coordinator:
         await self.scheduler.stop()
         self.clients.close()
         self.workers.close()
+        if self.zap is not None:
+            await self.zap.stop()
+        if self.keys is not None:
+            self.keys.close()
         self.store.close()
         self.ctx.term()
 
@@ -139,23 +175,29 @@ class Coordinator:
     def _dispatch_client(self, peer: bytes, env: Envelope, frames: list[Any]) -> Any:
         body = env.body
         if isinstance(body, m.Hello):
-            return self._hello(peer, body)
+            return self._hello(peer, body, frames)
         if isinstance(body, m.DiscoverWorkerEndpoint):
             return _ready(m.WorkerEndpoint(int(self.workers.address.rsplit(":", 1)[1])))
-        session = self.sessions.get(peer)
-        if session is None:
+        caller = self.callers.get(peer)
+        if caller is None or caller.connection_key != self._connection_key(frames):
             raise AuthenticationError("this connection has not said Hello; create a ServiceClient first")
         if isinstance(body, m.REQUEST_TYPES):
-            return self.scheduler.ask_future(Submit(peer, LOCAL_OWNER, body, [f.bytes for f in frames]))
+            return self._submit(Submit(peer, caller.owner, body, [f.bytes for f in frames]))
         if isinstance(body, m.SessionHeartbeat):
+            self._check_session(body.session_id, caller.owner)
+            if self.keys is not None and not self.keys.is_active(caller.owner):
+                self._forget(peer)
+                raise AuthenticationError("this session's API key was revoked")
             if not self.store.touch_session(body.session_id):
                 raise NotFoundError(f"session {body.session_id} is closed or unknown")
             return _ready(m.Ack())
         if isinstance(body, m.CloseSession):
+            self._check_session(body.session_id, caller.owner)
             self.store.close_session(body.session_id)
+            self._forget(peer)
             return _ready(m.Ack())
         if isinstance(body, QUERY_TYPES):
-            return self.scheduler.ask_future(Query(LOCAL_OWNER, body))
+            return self.scheduler.ask_future(Query(caller.owner, body))
         if isinstance(body, m.Ping):
             return self._ping(body)
         if isinstance(body, m.GetClusterStatus):
@@ -164,18 +206,57 @@ class Coordinator:
             return _ready(self._capabilities())
         raise BadRequestError(f"the coordinator does not take {type(body).__name__} from clients", field="kind")
 
-    def _hello(self, peer: bytes, hello: m.Hello) -> asyncio.Future[Any]:
+    def _hello(self, peer: bytes, hello: m.Hello, frames: list[Any]) -> asyncio.Future[Any]:
         if hello.protocol != m.PROTOCOL_VERSION:
             raise BadRequestError(
                 f"client speaks protocol {hello.protocol}, this coordinator speaks {m.PROTOCOL_VERSION}; "
                 "upgrade the older side",
                 field="protocol",
             )
+        caller = Caller(self.authenticate(hello.api_key), self._connection_key(frames))
+        known = self.callers.get(peer)
+        if known is not None and known != caller:
+            raise AuthenticationError("this connection already has a session with another key; reconnect instead")
         session_id = self.sessions.get(peer) or uuid.uuid4().hex[:16]
         if peer not in self.sessions:
             self.sessions[peer] = session_id
-            self.store.add_session(session_id, LOCAL_OWNER)
+            self.callers[peer] = caller
+            self.store.add_session(session_id, caller.owner)
         return _ready(m.Welcome(session_id, bios.__version__, self.config.cycle_s))
+
+    def authenticate(self, api_key: str | None) -> str:
+        """The owner an API key stands for (its key id); AuthenticationError if it is missing, wrong or revoked.
+
+        Without keys (`bios keys init` never ran for this state dir, so the coordinator listens on loopback
+        only) every caller is `LOCAL_OWNER`. The HTTP gateway calls this with each request's X-API-Key.
+        """
+        if self.keys is None:
+            return LOCAL_OWNER
+        return self.keys.authenticate(api_key)
+
+    @property
+    def keys_required(self) -> bool:
+        """True once `bios keys init` ran for the state dir: every front end must then check keys."""
+        return self.keys is not None
+
+    def _connection_key(self, frames: list[Any]) -> str | None:
+        """The CurveZMQ public key the message came from (set by the ZAP handler); None without keys."""
+        return None if self.keys is None else frames[0].get("User-Id")
+
+    def _check_session(self, session_id: str, owner: str) -> None:
+        if self.store.session_owner(session_id) != owner:
+            raise NotFoundError(f"session {session_id} is closed or unknown", field="session_id")
+
+    def _forget(self, peer: bytes) -> None:
+        self.sessions.pop(peer, None)
+        self.callers.pop(peer, None)
+
+    def _submit(self, submit: Submit) -> asyncio.Future[Any]:
+        """Hand a request to the scheduler, unless its key already has too many waiting for it (RateLimitError)."""
+        self.ledger.arrive(submit.owner)
+        future = self.scheduler.ask_future(submit)
+        future.add_done_callback(lambda _f: self.ledger.arrived(submit.owner))
+        return future
 
     async def _ping(self, ping: m.Ping) -> m.Pong:
         members = self.membership.alive()
@@ -196,6 +277,10 @@ class Coordinator:
             uptime_s=time.monotonic() - self._started,
             phase_seconds=dict(self.runner.phase_seconds),
         )
+
+    async def refresh_metrics(self) -> None:
+        """Bring the state gauges (workers, queues, busy fraction) up to date before a scrape."""
+        self.metrics.observe_status(await self._status(), await self.scheduler.ask(QueueDepth(by_pool=True)))
 
     def _capabilities(self) -> t.GetServerCapabilitiesResponse:
         names = sorted({name for member in self.membership.alive() for name in member.models})
@@ -224,7 +309,7 @@ class Coordinator:
     def submit(self, peer: bytes, op: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
         """The native path for a request: validated, stored, ordered; resolves to `Accepted`."""
         frames = [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), op))]
-        return self.scheduler.ask_future(Submit(peer, owner, op, frames))
+        return self._submit(Submit(peer, owner, op, frames))
 
     def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
         """Answer a query (GetInfo, sampling sessions, listings...) as for a native client."""
@@ -246,6 +331,8 @@ class Coordinator:
                 future.set_result(body)
             return None
         if isinstance(body, m.RegisterWorker):
+            if self.keys is not None:
+                self.keys.check_worker_token(body.token)
             self.membership.register(peer, body)
             return _ready(m.WorkerAccepted(self.config.worker_heartbeat_s))
         worker_id = self._worker_id(peer)

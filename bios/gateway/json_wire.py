@@ -52,7 +52,13 @@ class Body:
 
     def number(self, name: str, default: Any = _REQUIRED) -> Any:
         value = self._get(name, (int, float), "a number", default)
-        return float(value) if isinstance(value, int) else value
+        if not isinstance(value, int):
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            raise BadRequestError(f"{self._field(name)} is too large: {str(value)[:20]}...",
+                                  field=self._field(name)) from None
 
     def flag(self, name: str, default: Any = _REQUIRED) -> Any:
         return self._get(name, (bool,), "true or false", default)

@@ -27,7 +27,8 @@ from bios.actors.actor import ActorStopped
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
 from bios.coordinator.runs import model_id_of, request_id_for, seq_of
-from bios.coordinator.server import LOCAL_OWNER, Coordinator
+from bios.coordinator.server import Coordinator
+from bios.security.listen import InsecureListenError
 from bios.exceptions import (
     AuthenticationError,
     BadRequestError,
@@ -113,22 +114,15 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return _http_error(500, f"internal error in the Bios gateway: {type(exc).__name__}: {exc}")
 
 
-def owner_of(api_key: str | None) -> str:
-    """The owner a request's X-API-Key stands for. Until API keys exist (loopback binds only) every `tml-` key
-    is the local owner, as every native client is; a missing or malformed key is refused.
+def owner_of(api_key: str | None, authenticate: Callable[[str | None], str]) -> str:
+    """The owner a request's X-API-Key stands for: the Tinker SDK sends `tml-` keys, so a Bios key arrives as
+    `tml-bios_...` and the coordinator's key store decides. Without keys every `tml-` key is the local owner,
+    as every native client is; a missing or malformed key is refused.
     """
     if not api_key or not api_key.startswith("tml-"):
         raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
                                   "ServiceClient or set TINKER_API_KEY=tml-...")
-    return LOCAL_OWNER
-
-
-@web.middleware
-async def _authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                        ) -> web.StreamResponse:
-    if request.path != f"{API}/healthz":
-        request[OWNER] = owner_of(request.headers.get("X-API-Key"))
-    return await handler(request)
+    return authenticate(api_key)
 
 
 async def _json_body(request: web.Request) -> json_wire.Body:
@@ -189,8 +183,15 @@ class Gateway:
 
     # ------------------------------------------------------------------------------------ lifecycle
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if request.path != f"{API}/healthz":
+            request[OWNER] = owner_of(request.headers.get("X-API-Key"), self.coordinator.authenticate)
+        return await handler(request)
+
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, _authenticate], client_max_size=self.config.max_body_bytes)
+        app = web.Application(middlewares=[_errors, self._authenticate], client_max_size=self.config.max_body_bytes)
         routes = [
             web.post(f"{API}/client/config", self.client_config),
             web.post(f"{API}/client/dynamic_config", self.client_dynamic_config),
@@ -595,12 +596,14 @@ def _is_loopback(host: str) -> bool:
 async def start_gateway(coordinator: Coordinator, address: str, config: GatewayConfig | None = None) -> Gateway:
     """Serve the Tinker HTTP API for `coordinator` at `address` ("HOST:PORT"); `.url` says where, `stop()` ends it.
 
-    Until API keys exist any `tml-` key is accepted, so only a loopback address may be bound.
+    Until API keys exist any `tml-` key is accepted, so only a loopback address may be bound. With keys, a
+    public bind is allowed; put TLS in front of it, since keys travel in a header.
     """
     host, port = _split_address(address)
-    if not _is_loopback(host):
-        raise ValueError(f"refusing to serve the HTTP API on {host}: without API keys configured it accepts any "
-                         "key, so it binds loopback only (e.g. --http 127.0.0.1:8000)")
+    if not _is_loopback(host) and not coordinator.keys_required:
+        raise InsecureListenError(f"refusing to serve the HTTP API on {host}: without API keys configured it "
+                                  "accepts any key, so it binds loopback only (e.g. --http 127.0.0.1:8000); "
+                                  "run `bios keys init --state-dir DIR` first to serve beyond loopback")
     gateway = Gateway(coordinator, config or GatewayConfig.from_env())
     await gateway.start(host, port)
     return gateway

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import random
 import threading
 import uuid
 from collections.abc import Coroutine
@@ -22,6 +23,8 @@ import bios
 from bios import exceptions
 from bios import messages as m
 from bios.actors.remote import RemoteCallError, RemoteError, RemoteRef
+from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, HandshakeWatch
+from bios.security.keys import ApiKey
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer
 
@@ -31,6 +34,9 @@ T = TypeVar("T")
 
 HEARTBEAT_S = 10.0
 MISSED_HEARTBEATS = 3
+# A request refused with RateLimitError (a full queue) is resent after the server's retry_after, this many times,
+# before the error reaches the caller; the seq_id stays the same, so order and exactly-once are kept.
+RATE_LIMIT_RETRIES = 30
 
 
 def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPIError:
@@ -53,28 +59,53 @@ class Connection:
         self._results: dict[str, concurrent.futures.Future[Any]] = {}
         self._early: dict[str, m.RequestDone] = {}
         self._closed = False
+        self.rate_limited = 0  # requests resent after a RateLimitError, for load reports
         self.codec = m.make_codec()
-        welcome = self.run(self._open(api_key, connect_timeout_s), timeout=connect_timeout_s + 5)
+        try:
+            welcome = self.run(self._open(api_key, connect_timeout_s), timeout=connect_timeout_s + 5)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            raise
         self.session_id: str = welcome.session_id
         self.cycle_s: float = welcome.cycle_s
 
     async def _open(self, api_key: str | None, timeout: float) -> m.Welcome:
+        api_key = api_key or None
+        security = None if api_key is None else ApiKey.parse(api_key).client_security()
         self._ctx = zmq.asyncio.Context()
-        dealer = Dealer(self._ctx, self.codec, identity=f"client-{uuid.uuid4().hex}".encode())
+        dealer = Dealer(self._ctx, self.codec, identity=f"client-{uuid.uuid4().hex}".encode(), security=security)
+        watch = HandshakeWatch(dealer.sock)
         dealer.connect(self.address)
         self._remote = RemoteRef(dealer, on_message=self._on_message).start()
         try:
-            welcome = await self._remote.ask(m.Hello(api_key=api_key, sdk_version=bios.__version__), timeout)
-        except asyncio.TimeoutError:
+            hello = self._remote.ask(m.Hello(api_key=api_key, sdk_version=bios.__version__), timeout)
+            welcome = await watch.guard(hello, lambda reason: self._refused(reason, api_key))
+        except BaseException as exc:
             await self._remote.close()
-            raise exceptions.APIConnectionError(
-                f"no Bios coordinator answered at {self.address} within {timeout:.0f}s; is bios-coordinator running?"
-            ) from None
-        except RemoteCallError as exc:
-            await self._remote.close()
-            raise to_exception(exc.error) from None
+            self._ctx.term()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise exceptions.APIConnectionError(f"no Bios coordinator answered at {self.address} within "
+                                                    f"{timeout:.0f}s; is bios-coordinator running?") from None
+            if isinstance(exc, RemoteCallError):
+                raise to_exception(exc.error) from None
+            raise
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat(welcome.session_id))
         return welcome
+
+    def _refused(self, reason: str, api_key: str | None) -> exceptions.AuthenticationError:
+        """Why the coordinator refused the encrypted handshake, as something the user can fix."""
+        where = f"the coordinator at {self.address}"
+        if api_key is None:  # a keyless coordinator never refuses a plain handshake
+            message = f"{where} requires an API key: pass ServiceClient(api_key=...) or set BIOS_API_KEY"
+        elif reason == MECHANISM_MISMATCH:
+            message = f"{where} does not use API keys (it runs without `bios keys init`): connect without a key"
+        elif reason == REFUSED:
+            message = f"{where} refused this connection"
+        else:  # the server's reply could not be decrypted, or it hung up before saying why
+            message = (f"this API key is not for {where}: it belongs to another Bios cluster, or that coordinator "
+                       "runs without keys")
+        return exceptions.AuthenticationError(message)
 
     # ------------------------------------------------------------------------------------ running things
 
@@ -100,7 +131,7 @@ class Connection:
         else:
             self._results[request_id] = result
         try:
-            return await self._remote.ask(op)
+            return await self._ask_with_retries(op)
         except RemoteCallError as exc:
             error = to_exception(exc.error)
             self._results.pop(request_id, None)
@@ -112,6 +143,20 @@ class Connection:
             if not result.done():
                 result.set_exception(exc)
             raise
+
+    async def _ask_with_retries(self, op: Any) -> Any:
+        """Resend a request refused for backpressure: a refusal uses up nothing, so order and once-only hold."""
+        resent = 0
+        while True:
+            try:
+                return await self._remote.ask(op)
+            except RemoteCallError as exc:
+                if exc.error.type != "RateLimitError" or resent >= RATE_LIMIT_RETRIES:
+                    raise
+                retry_after = exc.error.retry_after or 1.0
+            resent += 1
+            self.rate_limited += 1
+            await asyncio.sleep(retry_after * random.uniform(0.5, 1.5))  # spread the resends of many clients
 
     async def ask(self, body: Any, timeout: float | None = None) -> Any:
         """A query with a direct reply; runs on the connection's loop."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bios import exceptions
+from bios.security.keys import KeyStore
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +47,7 @@ class LocalCluster:
         listen: str = "tcp://127.0.0.1:0",
         log_level: str = "INFO",
         http: str | None = None,
+        metrics: str | None = None,
         checkpoint_every: int = 0,
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
@@ -62,6 +64,8 @@ class LocalCluster:
         self.http = http
         self.checkpoint_every = checkpoint_every
         self.http_url: str | None = None
+        self.metrics = metrics
+        self.metrics_url: str | None = None  # http://HOST:PORT/metrics once started with `metrics`
         self.env = {**os.environ, **(env or {})}
         self.start_timeout_s = start_timeout_s
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -85,6 +89,7 @@ class LocalCluster:
                 "--log-level", self.log_level,
                 "--checkpoint-every", str(self.checkpoint_every),
                 *(["--http", self.http] if self.http else []),
+                *(["--metrics", self.metrics] if self.metrics else []),
             ],
         )
         deadline = time.monotonic() + self.start_timeout_s
@@ -98,11 +103,16 @@ class LocalCluster:
         addresses = json.loads(ready.read_text())
         self.address = addresses["clients"]
         self.http_url = addresses.get("http")
+        self.metrics_url = addresses.get("metrics")
         for _ in range(self.num_workers):
             self.add_worker()
         return self
 
     def add_worker(self) -> subprocess.Popen[bytes]:
+        keys = KeyStore.open(self.state_dir)
+        if keys is not None:  # a keyed state dir: workers join with its token (through the environment, not argv)
+            self.env["BIOS_WORKER_TOKEN"] = str(keys.cluster.worker_token())
+            keys.close()
         args = ["-m", "bios.worker.main", "--coordinator", self.address, "--log-level", self.log_level]
         if self.worker_threads:
             args += ["--threads", str(self.worker_threads)]

@@ -26,7 +26,9 @@ DEFAULT_BASE_MODEL = "bios/tiny-llama"
 class ServiceClient:
     """`ServiceClient()` starts a local cluster; `ServiceClient(address="tcp://host:7600", api_key=...)` joins one.
 
-    The address may also come from `BIOS_ADDRESS`, the key from `BIOS_API_KEY`.
+    The address may also come from `BIOS_ADDRESS`, the key from `BIOS_API_KEY`. A wrong, revoked or missing key
+    raises `AuthenticationError` here. Requests refused because a queue is full (`RateLimitError`) are resent
+    after the coordinator's `retry_after`, up to 30 times, before the error reaches the caller.
     """
 
     def __init__(
@@ -45,9 +47,10 @@ class ServiceClient:
                 self._cluster.start()
             address = self._cluster.address
         self.address = address
+        if self._cluster is None:  # BIOS_API_KEY is for remote clusters: an embedded one has no keys
+            api_key = api_key or os.environ.get("BIOS_API_KEY") or None
         try:
-            self._conn = Connection(address, api_key or os.environ.get("BIOS_API_KEY"),
-                                    connect_timeout_s=connect_timeout_s)
+            self._conn = Connection(address, api_key, connect_timeout_s=connect_timeout_s)
         except BaseException:
             if self._cluster is not None:
                 self._cluster.stop()

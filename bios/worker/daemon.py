@@ -23,9 +23,12 @@ import zmq.asyncio
 from bios import messages as m
 from bios.actors.actor import Actor, Policy, spawn
 from bios.actors.remote import RemoteError, RemoteRef
+from bios.exceptions import AuthenticationError
 from bios.models import list_models
+from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, HandshakeWatch
+from bios.security.keys import WorkerToken
 from bios.transport.codec import Envelope
-from bios.transport.sockets import Dealer
+from bios.transport.sockets import Dealer, Security
 
 from .collectives import CollectiveGroup, advertised_host
 from .executor import CycleExecutor, CycleOutcome
@@ -104,14 +107,19 @@ class WorkerDaemon:
         self.group = CollectiveGroup(config.device, advertised_host(config.coordinator))
         self.stop_requested = asyncio.Event()
         self.remote: RemoteRef | None = None
+        # With a token, both connections are CurveZMQ-encrypted under the key pair the token derives.
+        self.security: Security | None = None
+        if config.token:
+            self.security = WorkerToken.parse(config.token).worker_security()
 
     async def run(self) -> None:
         address = await self._worker_address()
-        dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode())
+        dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode(), security=self.security)
+        watch = HandshakeWatch(dealer.sock)
         dealer.connect(address)
         self.remote = RemoteRef(dealer, on_message=self._on_message).start()
         self.trainer = spawn(lambda: Trainer(self.worker_id, self.pool, self.group, self._send), name="trainer", policy=Policy.RESUME)
-        accepted = await self.remote.ask(
+        register = self.remote.ask(
             m.RegisterWorker(
                 worker_id=self.worker_id,
                 host=socket.gethostname(),
@@ -125,6 +133,7 @@ class WorkerDaemon:
             ),
             timeout=self.config.discover_timeout_s,
         )
+        accepted = await watch.guard(register, self._refused)
         log.info("worker %s registered at %s on %s", self.worker_id, address, self.config.device)
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
         await self.stop_requested.wait()
@@ -143,17 +152,33 @@ class WorkerDaemon:
 
     async def _worker_address(self) -> str:
         """Ask the coordinator's client address where workers connect (same host, its worker port)."""
-        dealer = Dealer(self.ctx, self.codec)
+        dealer = Dealer(self.ctx, self.codec, security=self.security)
+        watch = HandshakeWatch(dealer.sock)
         dealer.connect(self.config.coordinator)
         probe = RemoteRef(dealer).start()
         try:
-            endpoint = await probe.ask(m.DiscoverWorkerEndpoint(), timeout=self.config.discover_timeout_s)
+            endpoint = await watch.guard(probe.ask(m.DiscoverWorkerEndpoint(), timeout=self.config.discover_timeout_s),
+                                         self._refused)
         except asyncio.TimeoutError:
             raise ConnectionError(f"no coordinator answered at {self.config.coordinator}") from None
         finally:
             await probe.close()
         host = self.config.coordinator.rsplit(":", 1)[0]
         return f"{host}:{endpoint.port}"
+
+    def _refused(self, reason: str) -> AuthenticationError:
+        """Why the coordinator refused this worker's handshake, as something the operator can fix."""
+        where = f"the coordinator at {self.config.coordinator}"
+        if self.security is None:  # a keyless coordinator never refuses a plain handshake
+            return AuthenticationError(f"{where} requires a worker token: pass --token or set BIOS_WORKER_TOKEN "
+                                       "(print it on the coordinator's host with `bios keys worker-token`)")
+        if reason == MECHANISM_MISMATCH:
+            return AuthenticationError(f"{where} runs without keys: start this worker without --token")
+        if reason == REFUSED:
+            return AuthenticationError(f"{where} refused this worker's token: print the current one with "
+                                       "`bios keys worker-token` on the coordinator's host")
+        return AuthenticationError(f"this worker token is not for {where}: it belongs to another cluster, or that "
+                                   "coordinator runs without keys")
 
     async def _heartbeat(self, interval: float) -> None:
         assert self.remote is not None
