@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from bios.actors import loop as event_loop
 from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError
 
@@ -92,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                          logging.Formatter("%(asctime)s coordinator %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        runner(run(args))
+        event_loop.run(run(args))
     except InsecureListenError as exc:
         logging.getLogger(__name__).error("%s", exc)
         return 2

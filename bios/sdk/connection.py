@@ -22,6 +22,7 @@ import zmq.asyncio
 import bios
 from bios import exceptions
 from bios import messages as m
+from bios.actors import loop as event_loop
 from bios.actors.remote import RemoteCallError, RemoteError, RemoteRef
 from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, HandshakeWatch
 from bios.security.keys import ApiKey
@@ -53,7 +54,7 @@ def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPI
 class Connection:
     def __init__(self, address: str, api_key: str | None, *, connect_timeout_s: float = 30.0) -> None:
         self.address = address
-        self._loop = _new_event_loop()
+        self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bios-sdk", daemon=True)
         self._thread.start()
         self._results: dict[str, concurrent.futures.Future[Any]] = {}
@@ -229,14 +230,6 @@ class Connection:
         self._fail_all(exceptions.APIConnectionError("the ServiceClient was closed"))
         await self._remote.close()
         self._ctx.term()
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _resolve(future: concurrent.futures.Future[Any], done: m.RequestDone) -> None:

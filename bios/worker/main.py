@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from bios.actors import loop as event_loop
 from bios.exceptions import AuthenticationError
 
 from .daemon import WorkerConfig, WorkerDaemon, default_device
@@ -79,13 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        runner(run(args))
+        event_loop.run(run(args))
     except AuthenticationError as exc:
         logging.getLogger(__name__).error("cannot join: %s", exc)
         return 2
