@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bios.messages import CheckpointState
+from bios.models.cache import save_model_files
 
 if TYPE_CHECKING:
     import peft
@@ -75,7 +76,7 @@ def write_merged_model(state: CheckpointState, out_dir: Path, *, base_model: str
         )
     merged = peft_model.merge_and_unload()
     out_dir = Path(out_dir)
-    merged.save_pretrained(str(out_dir))
+    save_model_files(merged, out_dir)
     loaded.tokenizer.save_pretrained(str(out_dir))
     return out_dir
 

@@ -98,6 +98,19 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
 
 
 @pytest.mark.e2e
+def test_a_fresh_cache_with_two_workers_writes_complete_builtin_models(tmp_path):
+    """Both workers of a generation write the built-in model on first use; the one of rank 1 must not publish
+    a directory without weights (save_pretrained writes nothing on a torch.distributed rank other than 0)."""
+    with bios.LocalCluster(workers=2, worker_threads=1, env={"BIOS_CACHE_DIR": str(tmp_path)}) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        assert tc.forward(BATCH[:2]).result(120).loss > 0
+    written = {p.name for p in (tmp_path / "models" / "bios--tiny-llama").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= written
+
+
+@pytest.mark.e2e
 def test_graceful_leave_aborts_no_cycle(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:

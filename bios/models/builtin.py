@@ -19,7 +19,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedTokenizerFast
 
-from bios.models.cache import is_model_dir, model_dir_for, staged_model_dir
+from bios.models.cache import is_model_dir, model_dir_for, save_model_files, staged_model_dir
 from bios.models.catalog import (
     BOS,
     BUILTIN_CONTEXT,
@@ -62,7 +62,7 @@ def ensure_builtin(name: str) -> Path:
 def write_builtin(spec: BuiltinModel, directory: Path) -> None:
     model = AutoModelForCausalLM.from_config(builtin_config(spec), dtype=torch.float32)
     _fill_deterministically(model, spec.seed)
-    model.save_pretrained(directory)
+    save_model_files(model, directory)
     byte_level_tokenizer().save_pretrained(directory)
 
 

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def cache_dir() -> Path:
@@ -68,3 +68,19 @@ def _publish(stage: Path, final: Path) -> None:
             f"cannot publish model directory {final}: it exists but holds no config.json; "
             f"delete it and retry"
         ) from None
+
+
+def save_model_files(model: Any, out: Path, config: Any = None) -> None:
+    """Write a causal LM as config, generation config and safetensors weights (`config` defaults to the model's).
+
+    Not `save_pretrained`: in a process that belongs to a torch.distributed group with a rank other than 0 (a
+    worker in a generation of several) it silently writes no config and no weights. `save_model` keeps one copy
+    of tied tensors and `from_pretrained` re-ties them.
+    """
+    import safetensors.torch
+
+    config = model.config if config is None else config
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    safetensors.torch.save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})

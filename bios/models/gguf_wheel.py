@@ -15,11 +15,10 @@ import time
 import zipfile
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bios.models.cache import dir_size, is_model_dir, staged_model_dir
+from bios.models.cache import dir_size, is_model_dir, save_model_files, staged_model_dir
 from bios.models.catalog import GgufWheelModel
 
 
@@ -51,17 +50,14 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model carries a quantization config and refuses save_pretrained. Its weights are already
-    # dequantised, so rebuild the config without it and save the tensors directly; save_model keeps one copy
-    # of tied tensors (SmolLM2 ties its embeddings) and from_pretrained re-ties them.
+    # dequantised, so rebuild the config without it and save the tensors directly.
     settings = model.config.to_dict()
     settings.pop("quantization_config", None)
     settings.pop("_name_or_path", None)
     settings.pop("_model_name_or_path", None)
     config = type(model.config).from_dict(settings)
     config.architectures = [type(model).__name__]
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    safetensors.torch.save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_model_files(model, out, config)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     if not AutoTokenizer.from_pretrained(out).chat_template:
