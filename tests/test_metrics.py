@@ -13,6 +13,7 @@ import bios
 from bios import messages as m
 from bios import types
 from bios.coordinator.metrics import CoordinatorMetrics, JsonLogFormatter, op_name, split_address
+from bios.exceptions import BadRequestError
 from bios.sdk import LocalCluster
 
 BASE = "bios/tiny-llama"
@@ -39,7 +40,9 @@ def datum(text: str) -> types.Datum:
 def test_metrics_follow_training_and_sampling():
     batch = [datum("Metrics count what the cluster does."), datum("Every token is counted.")]
     batch_tokens = sum(d.model_input.length for d in batch)
-    with LocalCluster(metrics="127.0.0.1:0") as cluster, bios.ServiceClient(cluster=cluster) as service:
+    # A long heartbeat timeout: on a busy machine a starved worker must not be declared dead mid-test.
+    with LocalCluster(metrics="127.0.0.1:0", heartbeat_timeout_s=60) as cluster, \
+            bios.ServiceClient(cluster=cluster) as service:
         assert cluster.metrics_url is not None and cluster.metrics_url.endswith("/metrics")
         tc = service.create_lora_training_client(BASE, rank=4, seed=0)
         for _ in range(2):
@@ -50,6 +53,9 @@ def test_metrics_follow_training_and_sampling():
         for _ in range(3):
             tc.forward_backward(batch, "cross_entropy")
             tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(120)
+        bad = types.Datum(types.ModelInput.from_ints([1, 2, 3]), {"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+        with pytest.raises(BadRequestError):
+            tc.forward_backward([bad], "cross_entropy").result(120)
         sampler = tc.save_weights_and_get_sampling_client("metrics")
         prompt = types.ModelInput.from_ints(list(b"Metrics"))
         sampled = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=5, temperature=0.0)).result(120)
@@ -68,6 +74,7 @@ def test_metrics_follow_training_and_sampling():
     assert value(after, "bios_request_duration_seconds_sum", op="forward_backward") > 0
     assert value(after, "bios_requests_total", op="forward_backward", outcome="ok") == 5
     assert value(after, "bios_requests_total", op="create_model", outcome="ok") == 1
+    assert value(after, "bios_requests_total", op="forward_backward", outcome="rejected") == 1
     assert cycles(during) >= 2 and cycles(after) >= cycles(during) + 3
     assert value(after, "bios_cycle_duration_seconds_count") == cycles(after)
     assert value(during, "bios_tokens_total", op="forward_backward") == 2 * batch_tokens

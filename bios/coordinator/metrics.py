@@ -66,7 +66,8 @@ class CoordinatorMetrics:
         self.request_seconds = Histogram("bios_request_duration_seconds",
                                          "From acceptance (the first await) to the result, per operation",
                                          ["op"], buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("bios_requests", "Finished requests, per operation and outcome (ok or error)",
+        self.requests = Counter("bios_requests", "Requests per operation and outcome: ok, error (failed while "
+                                "running) or rejected (refused at acceptance)",
                                 ["op", "outcome"], registry=r)
         self.workers = Gauge("bios_workers", "Workers by state", ["state"], registry=r)
         self.tokens = Counter("bios_tokens", "Tokens through a model: training/forward inputs, sampling prompts "
@@ -98,6 +99,14 @@ class CoordinatorMetrics:
         else:
             log.log(logging.INFO if name in _INFO_OPS else logging.DEBUG, "request %s (%s) of %s done in %s",
                     request_id, name, run_id, "?" if latency is None else f"{latency:.3f}s", extra=ids)
+
+    def request_rejected(self, request_id: str, op: Any, reason: str) -> None:
+        """A request refused at acceptance (bad input, unknown run...): counted, logged at INFO, never timed."""
+        name = op_name(op)
+        self.requests.labels(name, "rejected").inc()
+        run_id = request_id.rpartition("#")[0]
+        log.info("request %s (%s) of %s rejected: %s", request_id, name, run_id, reason,
+                 extra={"run_id": run_id, "request_id": request_id, "op": name})
 
     def cycle_ran(self, duration_s: float, *, aborted: bool) -> None:
         self.cycles.labels("aborted" if aborted else "committed").inc()

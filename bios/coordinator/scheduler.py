@@ -230,6 +230,7 @@ class Scheduler(Actor):
         exc.request_id = request_id
         frames = self._encode_done(m.RequestDone(request_id, error=RemoteError.from_exception(exc)))
         self.store.add_rejected(request_id, model_id, seq_id, type(op).__name__, frames)
+        self.metrics.request_rejected(request_id, op, exc.message)
 
     async def _resubmitted(self, peer: bytes, stored: Any) -> m.Accepted:
         if stored.status == "rejected":
