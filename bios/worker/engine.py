@@ -18,7 +18,7 @@ from bios.kernels.adamw import adamw_step
 from bios.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.losses import compute_loss, resolve_config, validate_inputs
-from bios.worker.lora import active_adapters, attach_lora
+from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 
 
 @dataclass
@@ -44,14 +44,14 @@ class _Row:
     inputs: dict[str, Tensor]
 
 
-def target_logprobs(hidden: Tensor, lm_head: nn.Module, targets: Tensor) -> Tensor:
+def target_logprobs(hidden: Tensor, lm_head: LoraLinear, targets: Tensor) -> Tensor:
     """log p(targets[t]) from final hidden states [T, H] through the output head, in fp32, shape [T].
 
-    The head is called as a module so a LoRA on it (active for the same rows) applies. This is the naive
-    version that materialises [T, V] logits; a fused chunked linear cross-entropy replaces it.
+    The head is called as a module so a LoRA on it (active for the same rows) applies and hooks see it; it
+    returns only the targets' log-probs, chunked over tokens with kernels on, so no loss ever holds the
+    whole [T, V] logits (`lora_target_logprobs`).
     """
-    logits = lm_head(hidden).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return lm_head(hidden, target_ids=targets)
 
 
 def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:

@@ -2,8 +2,9 @@
 
 `attach_lora` turns every linear layer an adapter could train into a `LoraLinear` once per base model; the
 frozen base weights stay where they are and are shared by every adapter. `active_adapters` then says, for the
-duration of one forward pass, which rows of the batch use which adapter. `lora_forward` is the single
-function that computes a LoRA layer's output, kept apart so a fused kernel can replace it.
+duration of one forward pass, which rows of the batch use which adapter. `lora_forward` computes a LoRA
+layer's output and `lora_target_logprobs` the output head's log-probs of given targets; with `BIOS_KERNELS`
+on (the default) both run `bios.kernels` ops, with it off the same arithmetic through stock autograd.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bios.kernels import linear_cross_entropy, lora_linear_multi
 from bios.types import LoraConfig
 from bios.worker.adapter import AdapterState, lora_targets
+from bios.worker.compute_mode import base_dtype, kernels_enabled
+from bios.worker.fused_llama import fuse_llama_modules
 
 _ATTACHED_FLAG = "_bios_lora_modules"
 
@@ -37,8 +42,19 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
 
     The update is added in place onto the base output, so besides the base matmul only `x` and the small
     `x Aᵀ` are kept for backward (no dropout: it would force an activation-sized copy of `x`). Several
-    adapters loop over their row ranges rather than gathering a weight copy per row.
+    adapters loop over their row ranges rather than gathering a weight copy per row. With kernels on,
+    `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries.
     """
+    if segments and kernels_enabled():
+        return lora_linear_multi(
+            x,
+            weight,
+            bias,
+            [segment.lora_a for segment in segments],
+            [segment.lora_b for segment in segments],
+            [segment.scale for segment in segments],
+            [(segment.start, segment.end) for segment in segments],
+        )
     out = F.linear(x, weight, bias)
     for segment in segments:
         lora_a = segment.lora_a.to(x.dtype)
@@ -51,12 +67,47 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     return out
 
 
+def lora_target_logprobs(
+    x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment], target_ids: Tensor
+) -> Tensor:
+    """log softmax(`lora_forward(x, ...)`)[i, target_ids[i]] for x [T, in], in fp32, shape [T].
+
+    With kernels on, `linear_cross_entropy` runs once per run of rows sharing an adapter (or none), so at
+    most one chunk of [T, vocab] logits exists at a time. A head with a bias (no Llama-family head has one)
+    takes the stock path, as does everything with kernels off.
+    """
+    if bias is not None or not kernels_enabled():
+        logits = lora_forward(x, weight, bias, segments).float()
+        return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    pieces = []
+    done = 0
+    for segment in [*segments, None]:
+        start = x.shape[0] if segment is None else segment.start
+        if start > done:
+            pieces.append(linear_cross_entropy(x[done:start], weight, target_ids[done:start]))
+        if segment is not None:
+            rows = slice(segment.start, segment.end)
+            pieces.append(
+                linear_cross_entropy(
+                    x[rows], weight, target_ids[rows],
+                    lora_a=segment.lora_a, lora_b=segment.lora_b, lora_scale=segment.scale,
+                )
+            )
+            done = segment.end
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 class LoraLinear(nn.Linear):
     """An `nn.Linear` that also applies the LoRA segments `active_adapters` set on it (none: plain linear)."""
 
     lora_segments: list[LoraSegment]
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, target_ids: Tensor | None = None) -> Tensor:
+        """Outputs [..., out]; given `target_ids` [T] for x [T, in] (an output head), only the log-prob of
+        each row's target instead, [T] fp32, without the whole [T, vocab] logits (`lora_target_logprobs`).
+        Called as a module either way, so hooks on the head see the call."""
+        if target_ids is not None:
+            return lora_target_logprobs(x, self.weight, self.bias, self.lora_segments, target_ids)
         return lora_forward(x, self.weight, self.bias, self.lora_segments)
 
 
@@ -66,6 +117,9 @@ def attach_lora(model: nn.Module) -> None:
     The layer's class is switched in place rather than the layer being wrapped, so parameter names (and
     therefore the base state dict and PEFT key names), tied weights and hooks are all unchanged. The model is
     put in eval mode: a frozen shared base has no use for dropout, and eval keeps forward passes deterministic.
+    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`). With
+    `BIOS_BASE_DTYPE` set, the frozen floating-point parameters are stored in that dtype (buffers such as RoPE
+    frequencies keep theirs; tied weights stay tied, being one parameter).
     """
     if hasattr(model, _ATTACHED_FLAG):
         return
@@ -82,6 +136,12 @@ def attach_lora(model: nn.Module) -> None:
         module.__class__ = LoraLinear
         module.lora_segments = []
         wrapped[target.module_name] = module
+    fuse_llama_modules(model)
+    dtype = base_dtype()
+    if dtype is not None:
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
     model.requires_grad_(False)
     model.eval()
     setattr(model, _ATTACHED_FLAG, wrapped)

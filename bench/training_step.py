@@ -1,0 +1,258 @@
+"""One whole LoRA training step: Bios's engine with `bios.kernels` against stock Transformers + PEFT.
+
+    python bench/training_step.py [--model smollm2] [--batch 4] [--seq 128] [--rank 16] [--rounds 7]
+                                  [--memory-runs 3] [--configs peft,bios-stock,bios,bios-bf16]
+
+A step is forward, backward of the summed next-token cross-entropy and one AdamW update, on `batch` random
+sequences of `seq` tokens, LoRA of rank `rank` on every linear layer including the output head. Configurations:
+
+- `peft` (the reference): `peft.get_peft_model` on the Transformers model, `model(input_ids, labels=...).loss`,
+  `loss.backward()`, `torch.optim.AdamW(foreach=True)` (dropout 0, no KV cache);
+- `bios-stock`: Bios's engine (`forward_backward`, `commit_gradients`, `optim_step`) with `BIOS_KERNELS=0`;
+- `bios`: the same with `bios.kernels` (the worker's default);
+- `bios-bf16`: `bios` with `BIOS_BASE_DTYPE=bfloat16` (frozen base weights and activations in bf16; LoRA
+  factors, gradients and optimizer state fp32); `peft-bf16`: the model loaded in bf16 (PEFT keeps its adapter
+  in fp32 too, `autocast_adapter_dtype`).
+
+Peak memory: each configuration runs three steps in a fresh subprocess, `--memory-runs` times (median); peak
+extra = RSS high-water mark (reset through `/proc/self/clear_refs`) above the RSS once the base model (its
+weights paged in) and the batch exist, so it counts the adapter, its gradients, the optimizer state and every
+activation (`max_memory_allocated` on CUDA). The allocator makes one run's peak vary by ~10%. Time: one more
+subprocess holds every configuration and runs their steps round-robin after a warm-up step each, so load from
+other processes falls on all of them alike; the median step time gives tokens/s. The table divides by `peft`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bios import types  # noqa: E402
+from bios.models import load_base_model, resolve_model_dir  # noqa: E402
+from bios.worker.adapter import LORA_ALPHA, AdapterState, lora_targets  # noqa: E402
+from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step  # noqa: E402
+from bios.worker.lora import attach_lora  # noqa: E402
+
+MIB = 1 << 20
+CONFIGS = ("peft", "bios-stock", "bios", "bios-bf16", "peft-bf16")
+TARGETS = {"bios": {"tokens/s": 1.25, "memory": 0.6}}  # tokens/s at least, memory at most, x peft
+ADAM = types.AdamParams(learning_rate=1e-4)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class PeakMemory:
+    """Peak memory above the current level, for the device the benchmark runs on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self.base = _proc_status_kib("VmRSS") * 1024
+
+    def extra_mib(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / MIB
+        return (_proc_status_kib("VmHWM") * 1024 - self.base) / MIB
+
+
+def _proc_status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} missing from /proc/self/status: peak RSS needs Linux")
+
+
+def _batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
+    generator = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(batch):
+        tokens = torch.randint(0, vocab, (seq + 1,), generator=generator).tolist()
+        data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]),
+                                {"target_tokens": tokens[1:], "weights": [1.0] * seq}))
+    return data
+
+
+def _load(config: str, args: argparse.Namespace):
+    """The base model as each side runs it: PEFT loads in the dtype; Bios loads as its workers do (float32,
+    then `attach_lora` applies `BIOS_BASE_DTYPE`)."""
+    bf16 = config.endswith("-bf16")
+    if config.startswith("peft"):
+        return load_base_model(args.model, device=_device(), dtype=torch.bfloat16 if bf16 else torch.float32)
+    loaded = load_base_model(args.model, device=_device())
+    os.environ["BIOS_BASE_DTYPE"] = "bfloat16" if bf16 else "float32"
+    attach_lora(loaded.model)
+    return loaded
+
+
+def _step_fn(config: str, loaded, data: list[types.Datum], rank: int) -> Callable[[], None]:
+    """Build the adapter (and optimizer) of `config` on `loaded.model`; return one training step."""
+    model = loaded.model
+    lora = types.LoraConfig(rank=rank, seed=0)
+    if config.startswith("peft"):
+        import peft
+
+        modules = sorted({t.module_name.rsplit(".", 1)[-1] for t in lora_targets(model, lora)})
+        peft_model = peft.get_peft_model(
+            model, peft.LoraConfig(r=rank, lora_alpha=LORA_ALPHA, target_modules=modules, lora_dropout=0.0)
+        )
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                                      weight_decay=ADAM.weight_decay, foreach=True)
+        device = _device()
+        ids = torch.tensor([d.model_input.to_ints() for d in data], device=device)
+
+        def peft_step() -> None:
+            peft_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return peft_step
+
+    adapter = AdapterState.create("bench", model, lora, device=_device())
+    kernels = "0" if config == "bios-stock" else "1"
+
+    def bios_step() -> None:
+        os.environ["BIOS_KERNELS"] = kernels
+        forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])
+        commit_gradients(adapter)
+        optim_step(adapter, ADAM)
+
+    return bios_step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_memory(config: str, args: argparse.Namespace) -> dict:
+    """Peak extra memory of `config` over three steps (the first allocates the optimizer state)."""
+    loaded = _load(config, args)
+    data = _batch(loaded.info.vocab_size, args.batch, args.seq)
+    with torch.no_grad():  # page in weights still mapped from the safetensors file, so they are not counted
+        for param in loaded.model.parameters():
+            param.sum()
+    peak = PeakMemory(_device())
+    step = _step_fn(config, loaded, data, args.rank)
+    for _ in range(3):
+        step()
+    return {"peak_extra_mib": peak.extra_mib()}
+
+
+def measure_times(configs: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Step times of every configuration, their steps interleaved round-robin."""
+    steps = {}
+    for config in configs:
+        loaded = _load(config, args)
+        steps[config] = _step_fn(config, loaded, _batch(loaded.info.vocab_size, args.batch, args.seq), args.rank)
+        steps[config]()  # warm-up
+    times: dict[str, list[float]] = {config: [] for config in configs}
+    for _ in range(args.rounds):
+        for config, step in steps.items():
+            _sync()
+            started = time.perf_counter()
+            step()
+            _sync()
+            times[config].append(time.perf_counter() - started)
+    return times
+
+
+def _subprocess(flag: str, payload: object, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, flag, json.dumps(payload), "--model", args.model, "--batch",
+               str(args.batch), "--seq", str(args.seq), "--rank", str(args.rank), "--rounds", str(args.rounds)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"benchmark subprocess {flag} {payload} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+        flags = next((line for line in lines if line.startswith("flags")), "")
+        cpu += " (avx512_bf16)" if "avx512_bf16" in flags else ""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"machine: {cpu}, {os.cpu_count()} cores, load average {load}, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), device {device}, python {platform.python_version()}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=7, help="timed steps per configuration")
+    parser.add_argument("--memory-runs", type=int, default=3, help="fresh subprocesses per configuration's peak")
+    parser.add_argument("--configs", default=",".join(CONFIGS[:4]),
+                        help=f"comma-separated, the first is the reference; from {', '.join(CONFIGS)}")
+    parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one configuration's memory run
+    parser.add_argument("--timing", help=argparse.SUPPRESS)  # internal: every configuration's interleaved steps
+    args = parser.parse_args()
+    if args.memory:
+        print(json.dumps(measure_memory(json.loads(args.memory), args)))
+        return
+    if args.timing:
+        print(json.dumps(measure_times(json.loads(args.timing), args)))
+        return
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
+    resolve_model_dir(args.model)  # pull or write the model once, outside the measurements
+    print(machine())
+    print(f"model {args.model}, batch {args.batch}x{args.seq}, LoRA rank {args.rank} on every linear layer and "
+          f"the head; {args.rounds} interleaved timed steps per configuration, medians", flush=True)
+    memory = {
+        config: statistics.median(
+            _subprocess("--memory", config, args)["peak_extra_mib"] for _ in range(args.memory_runs)
+        )
+        for config in configs
+    }
+    steps = _subprocess("--timing", configs, args)
+    times = {config: statistics.median(values) for config, values in steps.items()}
+    tokens = args.batch * args.seq
+    reference = configs[0]
+    print(f"\n{'config':<11} {'median step':>11} {'(min-max)':>13} {'tokens/s':>9} {'x ' + reference:>8} "
+          f"{'peak extra':>11} {'x ' + reference:>8}  target")
+    for config in configs:
+        ratios = {"tokens/s": times[reference] / times[config], "memory": memory[config] / memory[reference]}
+        verdicts = []
+        for metric, limit in TARGETS.get(config, {}).items():
+            met = ratios[metric] >= limit if metric == "tokens/s" else ratios[metric] <= limit
+            verdicts.append(f"{metric} {'>=' if metric == 'tokens/s' else '<='}{limit}x {'met' if met else 'MISSED'}")
+        spread = f"({min(steps[config]):.2f}-{max(steps[config]):.2f})"
+        print(f"{config:<11} {times[config]:>10.2f}s {spread:>13} {tokens / times[config]:>9.0f} "
+              f"{ratios['tokens/s']:>7.2f}x {memory[config]:>7.0f} MiB {ratios['memory']:>7.2f}x  {', '.join(verdicts)}")
+    print(f"\n(after the run) {machine()}")
+
+
+if __name__ == "__main__":
+    main()

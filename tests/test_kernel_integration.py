@@ -1,0 +1,246 @@
+"""bios.kernels inside the worker: used by default, `BIOS_KERNELS=0` gives the stock ops, both train alike.
+
+The engine and sampling suites run with kernels on as part of the normal run, and once more with
+`BIOS_KERNELS=0` in a pytest subprocess (`test_engine_and_sampling_suites_pass_with_kernels_off`, e2e).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BASE, text_datum
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import bios
+from bios import types
+from bios.models import load_base_model
+from bios.types import AdamParams, Datum, LoraConfig, ModelInput
+from bios.worker import fused_llama, lora
+from bios.worker.adapter import AdapterState
+from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
+from bios.worker.compute_mode import base_dtype, kernels_enabled
+from bios.worker.fused_llama import fuse_llama_modules
+from bios.worker.lora import LoraSegment, attach_lora, lora_target_logprobs
+from bios.worker.sampling import SampleItem, generate
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = {"lora_linear_multi": lora, "linear_cross_entropy": lora, "rms_norm": fused_llama, "swiglu": fused_llama}
+
+
+def smollm2_shaped(layers: int = 2) -> LlamaForCausalLM:
+    """SmolLM2-135M's widths, heads, vocabulary and tied head with random weights and fewer layers."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def random_batch(vocab: int, lengths: list[int], seed: int) -> list[Datum]:
+    """Random sequences of different lengths (so the pass pads), weights a mix of zeros and positive reals."""
+    generator = torch.Generator().manual_seed(seed)
+    data = []
+    for length in lengths:
+        tokens = torch.randint(0, vocab, (length + 1,), generator=generator)
+        weights = torch.rand(length, generator=generator) * (torch.rand(length, generator=generator) > 0.2)
+        data.append(Datum(ModelInput.from_ints(tokens[:-1].tolist()), {"target_tokens": tokens[1:], "weights": weights}))
+    return data
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> dict[str, int]:
+    """How often the worker called each kernel since the fixture started (spies where the worker looks them up)."""
+    calls = dict.fromkeys(KERNELS, 0)
+    for name, module in KERNELS.items():
+        original = getattr(module, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def train(model, data: list[Datum], steps: int, learning_rate: float) -> tuple[list[float], AdapterState]:
+    adapter = AdapterState.create("run", model, LoraConfig(rank=8, seed=0), device="cpu")
+    params = AdamParams(learning_rate=learning_rate, weight_decay=0.01, grad_clip_norm=1.0)
+    losses = []
+    for _ in range(steps):
+        losses.append(forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])[0].loss)
+        commit_gradients(adapter)
+        optim_step(adapter, params)
+    return losses, adapter
+
+
+# Learning rates at which the loss falls steadily: where training is unstable (SmolLM2's shape at 1e-2 climbs
+# again after 6 steps), any rounding difference grows step by step, for one path against itself too.
+@pytest.mark.parametrize(("which", "learning_rate"), [("bios/tiny-llama", 1e-2), ("smollm2-shaped", 2e-3)])
+def test_ten_steps_with_kernels_on_and_off_give_the_same_losses(which, learning_rate, monkeypatch, kernel_calls):
+    model = load_base_model(which).model if which.startswith("bios/") else smollm2_shaped()
+    vocab = model.config.vocab_size
+    data = random_batch(vocab, [14, 9, 20], seed=1)
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("BIOS_KERNELS", setting)
+        before = dict(kernel_calls)
+        results[setting] = train(model, data, steps=10, learning_rate=learning_rate)
+        used = {name: kernel_calls[name] - before[name] for name in KERNELS}
+        if setting == "1":
+            assert all(used.values()), f"kernels on but some were never called: {used}"
+        else:
+            assert not any(used.values()), f"BIOS_KERNELS=0 but kernels were called: {used}"
+    (on, on_adapter), (off, off_adapter) = results["1"], results["0"]
+    assert on[-1] < 0.9 * on[0]  # it trained, so equal losses compare ten different adapters
+    assert on == pytest.approx(off, rel=1e-4)
+    error = torch.linalg.vector_norm(on_adapter.params - off_adapter.params) / torch.linalg.vector_norm(off_adapter.params)
+    assert float(error) < 1e-4
+
+
+def test_head_logprobs_with_several_adapters_and_uncovered_rows_match_the_stock_path(monkeypatch):
+    """Rows before, between and after two adapters' segments: values and gradients of x and every factor."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 16, generator=generator)
+    weight = torch.randn(40, 16, generator=generator) / 4
+    targets = torch.randint(0, 40, (12,), generator=generator)
+    factors = [torch.randn(shape, generator=generator) / 4 for shape in ((2, 16), (40, 2), (4, 16), (40, 4))]
+    upstream = torch.randn(12, generator=generator)
+
+    def run(setting: str) -> list[torch.Tensor]:
+        monkeypatch.setenv("BIOS_KERNELS", setting)
+        leaves = [t.clone().requires_grad_() for t in (x, *factors)]
+        segments = [LoraSegment(2, 5, leaves[1], leaves[2], 0.5), LoraSegment(7, 10, leaves[3], leaves[4], 2.0)]
+        logprobs = lora_target_logprobs(leaves[0], weight, None, segments, targets)
+        (logprobs * upstream).sum().backward()
+        return [logprobs.detach(), *(leaf.grad for leaf in leaves)]
+
+    for fused, stock in zip(run("1"), run("0"), strict=True):
+        torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-6)
+
+
+def _tiny(model_type: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **overrides)).eval()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "norms_per_layer"),
+    [("llama", 2), ("qwen2", 2), ("qwen3", 4)],  # Qwen3 also normalises queries and keys
+)
+def test_fused_norms_and_mlps_change_no_numbers(model_type, norms_per_layer, monkeypatch):
+    model = _tiny(model_type)
+    layers = model.config.num_hidden_layers
+    expected = layers * (norms_per_layer + 1) + 1  # + one MLP per layer, + the final norm
+    assert fuse_llama_modules(model) == expected
+    assert fuse_llama_modules(model) == expected  # idempotent
+    assert type(model.model.norm).__name__ == f"Fused{model_type.capitalize()}RMSNorm"
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("BIOS_KERNELS", setting)
+        model.zero_grad()
+        model.model.norm.weight.requires_grad_()
+        logits = model(input_ids=ids).logits
+        logits.square().sum().backward()
+        outputs[setting] = (logits.detach(), model.model.norm.weight.grad.clone())
+    assert torch.equal(outputs["1"][0], outputs["0"][0])
+    torch.testing.assert_close(outputs["1"][1], outputs["0"][1], rtol=1e-5, atol=1e-6)
+
+
+def test_only_silu_mlps_are_fused():
+    model = _tiny("llama", hidden_act="gelu")
+    assert fuse_llama_modules(model) == 2 * 2 + 1  # the norms only
+    assert not any(type(module).__name__.startswith("FusedLlamaMLP") for module in model.modules())
+
+
+def test_kernels_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("BIOS_KERNELS", raising=False)
+    assert kernels_enabled()
+    for value, expected in (("0", False), ("off", False), ("1", True), ("true", True)):
+        monkeypatch.setenv("BIOS_KERNELS", value)
+        assert kernels_enabled() is expected
+    monkeypatch.setenv("BIOS_KERNELS", "fast")
+    with pytest.raises(ValueError, match="BIOS_KERNELS must be 1 .* or 0 .*got 'fast'"):
+        kernels_enabled()
+
+
+def test_bf16_base_mode_keeps_adapters_fp32_and_trains_alike_with_kernels_on_and_off(monkeypatch):
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "bfloat16")
+    model = load_base_model("bios/tiny-qwen3").model  # tied head and embedding
+    attach_lora(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    data = random_batch(model.config.vocab_size, [14, 9, 20], seed=4)
+    losses = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("BIOS_KERNELS", setting)
+        losses[setting], adapter = train(model, data, steps=10, learning_rate=1e-2)
+        assert adapter.params.dtype == adapter.exp_avg.dtype == torch.float32
+    # bf16 activations round differently along the two paths: the same start, then trajectories that stay close
+    assert losses["1"][0] == pytest.approx(losses["0"][0], rel=2e-3)
+    assert losses["1"] == pytest.approx(losses["0"], rel=5e-2)
+    assert losses["1"][-1] < 0.8 * losses["1"][0] and losses["0"][-1] < 0.8 * losses["0"][0]
+    item = SampleItem(adapter.frozen_copy(), [1, 2, 3], 2, types.SamplingParams(max_tokens=4, temperature=1.0, seed=0))
+    response = generate(model, None, [item], eos_token_id=None)[0]
+    assert [len(sequence.tokens) for sequence in response.sequences] == [4, 4]
+
+
+def test_base_dtype_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("BIOS_BASE_DTYPE", raising=False)
+    assert base_dtype() is None
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "bfloat16")
+    assert base_dtype() is torch.bfloat16
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="BIOS_BASE_DTYPE must be one of .*got 'fp8'"):
+        base_dtype()
+
+
+# ------------------------------------------------------------------------------------------ through workers
+
+BATCH = [text_datum("Kernels on and off train the same adapter."), text_datum("Bios fuses its ops.")]
+
+
+def _cluster_losses(service: bios.ServiceClient) -> list[float]:
+    client = service.create_lora_training_client(BASE, rank=8, seed=3)
+    losses = []
+    for _ in range(3):
+        forward = client.forward_backward(BATCH, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses.append(forward.result(120).loss)
+    return losses
+
+
+@pytest.mark.e2e  # starts a second cluster: tens of seconds on a busy 2-core machine
+def test_a_worker_with_kernels_off_trains_like_the_default_worker(service):
+    default = _cluster_losses(service)
+    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, env={"BIOS_KERNELS": "0"}) as cluster:
+        with bios.ServiceClient(address=cluster.address) as stock_service:
+            stock = _cluster_losses(stock_service)
+    assert default == pytest.approx(stock, rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_engine_and_sampling_suites_pass_with_kernels_off():
+    env = {**os.environ, "BIOS_KERNELS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine.py", "tests/test_sampling.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
