@@ -68,8 +68,12 @@ def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
     return targets
 
 
-def validate_lora_config(model: nn.Module, config: LoraConfig) -> None:
-    """Raise `BadRequestError` naming the offending field if `config` cannot build an adapter on `model`."""
+def validate_lora_config(model: nn.Module, config: LoraConfig, *, targets: list[LoraTarget] | None = None) -> None:
+    """Raise `BadRequestError` naming the offending field if `config` cannot build an adapter on `model`.
+
+    `targets` overrides `lora_targets(model, config)`: a tensor-parallel shard validates against the full
+    layer shapes, not its slices.
+    """
     for flag in ("train_attn", "train_mlp", "train_unembed"):
         if not isinstance(getattr(config, flag), bool):
             raise BadRequestError(f"LoRA {flag} must be true or false, got {getattr(config, flag)!r}", field=flag)
@@ -81,7 +85,8 @@ def validate_lora_config(model: nn.Module, config: LoraConfig) -> None:
             f"got {config.seed!r}",
             field="seed",
         )
-    targets = lora_targets(model, config)
+    if targets is None:
+        targets = lora_targets(model, config)
     if not targets:
         raise BadRequestError(
             "LoRA config trains no layer of this model: set at least one of train_attn, train_mlp, "
