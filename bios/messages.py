@@ -394,6 +394,14 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class Rejoin:
+    """The coordinator does not count the sender as a member (it was declared dead, say after heartbeats went
+    missing on a starved machine): the worker registers again, as a new member that receives the current state."""
+
+    reason: str = ""
+
+
 def _tensor_data_from_wire(value: Any) -> t.TensorData:
     if not isinstance(value, np.ndarray) or value.dtype not in (np.int64, np.float32):
         raise DecodeError("TensorData must carry an int64 or float32 array")

@@ -111,6 +111,37 @@ def test_a_fresh_cache_with_two_workers_writes_complete_builtin_models(tmp_path)
 
 
 @pytest.mark.e2e
+def test_a_worker_declared_dead_while_alive_registers_again(reference):
+    """A worker frozen past the heartbeat timeout (SIGSTOP: a starved or swapping machine) is declared dead; when
+    it wakes it is told to register again, joins as a new member with the current state, and training goes on."""
+    losses, _, _ = reference
+    with bios.LocalCluster(workers=2, worker_threads=1, heartbeat_timeout_s=2.0) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        futures = _train(tc, 2)
+        futures[-1].result(120)
+        frozen = cluster.workers[1]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(w.state == "dead" for w in svc.cluster_status().workers):
+                assert time.monotonic() < deadline, "the frozen worker was never declared dead"
+                time.sleep(0.1)
+            futures += _train(tc, 1)
+            futures[-1].result(120)  # the survivor trains alone meanwhile
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        _wait_for_workers(svc, 2)
+        futures += _train(tc, 2)
+        assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
+        workers = svc.cluster_status().workers
+        assert sorted(w.state for w in workers) == ["active", "active", "dead"]
+        assert any(w.worker_id.endswith("-rejoin1") and w.state == "active" for w in workers)
+        assert frozen.poll() is None
+
+
+@pytest.mark.e2e
 def test_graceful_leave_aborts_no_cycle(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:

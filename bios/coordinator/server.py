@@ -337,7 +337,10 @@ class Coordinator:
             return _ready(m.WorkerAccepted(self.config.worker_heartbeat_s))
         worker_id = self._worker_id(peer)
         if worker_id is None:
-            raise AuthenticationError("unknown worker: register first")
+            log.info("a message from a worker that is not a member (%s): asking it to register again",
+                     type(body).__name__)
+            return asyncio.ensure_future(self._send_to_worker(peer, m.Rejoin(
+                "this worker is not a member of the cluster (it was declared dead or never registered)")))
         if isinstance(body, m.WorkerHeartbeat):
             self.membership.heartbeat(worker_id, peer)
         elif isinstance(body, m.ItemDone):

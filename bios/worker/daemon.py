@@ -13,6 +13,7 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -63,8 +64,8 @@ class Trainer(Actor):
     """Owns the model pool and the collective group; runs cycles and reconfigurations one at a time on the
     compute thread, reporting items as they finish."""
 
-    def __init__(self, worker_id: str, pool: ModelPool, group: CollectiveGroup, send: Any) -> None:
-        self.worker_id = worker_id
+    def __init__(self, identity: Callable[[], str], pool: ModelPool, group: CollectiveGroup, send: Any) -> None:
+        self.identity = identity  # the worker's current id: it changes when the worker registers again
         self.executor = CycleExecutor(pool, group)
         self.send = send
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
@@ -76,9 +77,9 @@ class Trainer(Actor):
                 checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
             except Exception as exc:
                 log.exception("could not join generation %d", message.generation)
-                await self.send(m.Reconfigured(message.generation, self.worker_id, {}, error=str(exc)))
+                await self.send(m.Reconfigured(message.generation, self.identity(), {}, error=str(exc)))
             else:
-                await self.send(m.Reconfigured(message.generation, self.worker_id, checksums))
+                await self.send(m.Reconfigured(message.generation, self.identity(), checksums))
             return
         assert isinstance(message, m.RunCycle)
 
@@ -90,7 +91,7 @@ class Trainer(Actor):
             outcome = await loop.run_in_executor(self.thread, self.executor.run, message, report)
         finally:
             await asyncio.sleep(0)  # let the reports queued by the compute thread go out first
-            await self.send(m.CycleDone(message.cycle_id, self.worker_id, outcome.aborted, outcome.reason,
+            await self.send(m.CycleDone(message.cycle_id, self.identity(), outcome.aborted, outcome.reason,
                                         outcome.checksums, outcome.seconds))
 
     async def stopped(self) -> None:
@@ -100,12 +101,14 @@ class Trainer(Actor):
 class WorkerDaemon:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.base_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.worker_id = self.base_id
         self.ctx = zmq.asyncio.Context()
         self.codec = m.make_codec()
         self.pool = ModelPool(config.device)
         self.group = CollectiveGroup(config.device, advertised_host(config.coordinator))
         self.stop_requested = asyncio.Event()
+        self.rejoin_requested = asyncio.Event()
         self.remote: RemoteRef | None = None
         # With a token, both connections are CurveZMQ-encrypted under the key pair the token derives.
         self.security: Security | None = None
@@ -114,11 +117,38 @@ class WorkerDaemon:
 
     async def run(self) -> None:
         address = await self._worker_address()
+        self.trainer = spawn(lambda: Trainer(lambda: self.worker_id, self.pool, self.group, self._send),
+                             name="trainer", policy=Policy.RESUME)
+        rejoins = 0
+        while True:
+            heartbeat = await self._register(address)
+            stop = asyncio.ensure_future(self.stop_requested.wait())
+            rejoin = asyncio.ensure_future(self.rejoin_requested.wait())
+            await asyncio.wait({stop, rejoin}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            rejoin.cancel()
+            heartbeat.cancel()
+            if self.stop_requested.is_set():
+                break
+            remote, self.remote = self.remote, None
+            assert remote is not None
+            await remote.close()
+            # A new identity: the coordinator treats it as a newcomer, so whatever state this worker still
+            # holds is replaced by the current one when it joins the next generation, never the reverse.
+            rejoins += 1
+            self.worker_id = f"{self.base_id}-rejoin{rejoins}"
+            self.rejoin_requested.clear()
+        await self.trainer.stop()
+        assert self.remote is not None
+        await self.remote.close()
+        self.ctx.term()
+
+    async def _register(self, address: str) -> asyncio.Task[None]:
+        """Connect under the current worker id, register, and start heartbeats (the returned task)."""
         dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode(), security=self.security)
         watch = HandshakeWatch(dealer.sock)
         dealer.connect(address)
         self.remote = RemoteRef(dealer, on_message=self._on_message).start()
-        self.trainer = spawn(lambda: Trainer(self.worker_id, self.pool, self.group, self._send), name="trainer", policy=Policy.RESUME)
         register = self.remote.ask(
             m.RegisterWorker(
                 worker_id=self.worker_id,
@@ -135,12 +165,7 @@ class WorkerDaemon:
         )
         accepted = await watch.guard(register, self._refused)
         log.info("worker %s registered at %s on %s", self.worker_id, address, self.config.device)
-        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
-        await self.stop_requested.wait()
-        heartbeat.cancel()
-        await self.trainer.stop()
-        await self.remote.close()
-        self.ctx.term()
+        return asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
 
     async def leave(self, reason: str) -> None:
         """Ask to leave; the coordinator lets the cycle in progress finish, then answers with Shutdown."""
@@ -187,7 +212,9 @@ class WorkerDaemon:
             await asyncio.sleep(interval)
 
     async def _send(self, body: Any) -> None:
-        assert self.remote is not None
+        if self.remote is None:
+            log.debug("not connected (registering again): %s dropped", type(body).__name__)
+            return  # it reports on a cycle or generation the coordinator no longer counts this worker in
         await self.remote.tell(body)
 
     def _on_message(self, env: Envelope) -> None:
@@ -202,6 +229,10 @@ class WorkerDaemon:
         elif isinstance(body, m.Shutdown):
             log.info("coordinator asked this worker to exit: %s", body.reason)
             self.stop_requested.set()
+        elif isinstance(body, m.Rejoin):
+            if not self.rejoin_requested.is_set():
+                log.warning("registering again: %s", body.reason)
+                self.rejoin_requested.set()
         elif isinstance(body, RemoteError):
             log.warning("coordinator reported: %s: %s", body.type, body.message)
         else:
