@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Every process the tests start (coordinators, workers) writes built-in models into a private cache.
+# Every process the tests start (coordinators, workers) writes built-in models into a private cache, removed at
+# the end of the session unless the caller chose the directory.
+_PRIVATE_CACHE = "BIOS_CACHE_DIR" not in os.environ
 os.environ.setdefault("BIOS_CACHE_DIR", tempfile.mkdtemp(prefix="bios-test-cache-"))
 os.environ.setdefault("BIOS_LOG_LEVEL", "INFO")
 # One intra-op thread, here and in every worker the tests start: on a shared 2-core machine, OpenMP threads
 # spinning at barriers while another process holds the other core make each tiny op hundreds of times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Exactness tests compare with fp32 references; the bf16 default is tested in tests/test_kernel_integration.py.
+os.environ.setdefault("BIOS_BASE_DTYPE", "float32")
 
 import torch  # noqa: E402
 
@@ -22,6 +27,11 @@ from bios import types  # noqa: E402
 torch.set_num_threads(1)
 
 BASE = "bios/tiny-llama"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _PRIVATE_CACHE:
+        shutil.rmtree(os.environ["BIOS_CACHE_DIR"], ignore_errors=True)
 
 
 def text_datum(text: str, weight: float = 1.0) -> types.Datum:
