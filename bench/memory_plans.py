@@ -1,4 +1,4 @@
-"""Peak per-worker memory and step time of each memory plan, estimated (bios.worker.memory_plan) and measured.
+"""Peak per-worker memory and step time of each memory plan, estimated (bios.models.memory_plan) and measured.
 
     python bench/memory_plans.py                              # SmolLM2-135M shape, 1024 tokens, every plan
     python bench/memory_plans.py --models smollm2,llama-1b --tokens 1024 --steps 3
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from bios.worker.memory_plan import TENSOR_PARALLEL_SIZES, GiB, ModelShape, estimate
+from bios.models.memory_plan import TENSOR_PARALLEL_SIZES, GiB, ModelShape, estimate
 
 MODELS = {
     "smollm2": dict(  # HuggingFaceTB/SmolLM2-135M

@@ -276,6 +276,7 @@ class ClusterStatus:
     busy_s: float
     uptime_s: float
     phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over cycles (rank 0's view)
+    plans: dict[str, str] = field(default_factory=dict)  # base model -> its memory plan and estimate
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -292,6 +293,7 @@ class RegisterWorker:
     models: list[str] = field(default_factory=list)
     store_host: str = "127.0.0.1"
     store_port: int = 0
+    runtime_bytes: int = 0  # the worker process's own footprint before any model (measured; 0: unknown)
 
 
 @dataclass(frozen=True)
@@ -328,10 +330,24 @@ class AdapterSpec:
 
 
 @dataclass(frozen=True)
+class ModelPlan:
+    """How workers hold one base model: its memory plan (bios.models.memory_plan.Plan) as plain data."""
+
+    base_model: str
+    activation_checkpointing: bool = False
+    tokens_per_pass: int = 16384  # the per-pass token budget the plan was sized for
+
+
+@dataclass(frozen=True)
 class Reconfigure:
     """Form generation `generation`: rebuild the collective group, then take every adapter's state from rank 0
     by broadcast (newcomers create the adapters first). Adapters in `restore` come from a checkpoint instead:
-    the pool that held them is gone."""
+    the pool that held them is gone.
+
+    With `tp` > 1 the members form `world // tp` replicas of `tp` tensor-parallel shard holders (rank r is shard
+    r % tp of replica r // tp) and every base model is split that way. `source_tp` is how the state's holders
+    hold it: 1, whole on rank 0 (broadcast to everyone, each member keeps its slice); equal to `tp`, shard j on
+    rank j (broadcast to the other replicas' rank-j members)."""
 
     generation: int
     rank: int
@@ -341,6 +357,9 @@ class Reconfigure:
     timeout_s: float
     adapters: list[AdapterSpec]
     restore: dict[str, CheckpointState] = field(default_factory=dict)
+    tp: int = 1
+    source_tp: int = 1
+    plans: list[ModelPlan] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

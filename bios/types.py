@@ -285,6 +285,7 @@ class GetInfoResponse:
     is_lora: bool = True
     lora_rank: int | None = None
     model_name: str | None = None
+    memory_plan: str | None = None  # how the workers hold the base model (plan, layout, memory estimate)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,9 @@ from bios.types import AdamParams, Datum, LoraConfig, ModelInput
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
 from bios.worker.lora import attach_lora
-from bios.worker.memory_plan import (
-    GiB,
-    MiB,
-    ModelShape,
-    choose_plan,
-    enable_activation_checkpointing,
-    estimate,
-)
+from bios.models.memory_plan import GiB, MiB, ModelShape, choose_plan, estimate, model_shape
+from bios.worker.daemon import runtime_footprint
+from bios.worker.memory_plan import enable_activation_checkpointing
 
 RANK = 16
 # A 50M-parameter Llama: big enough that weights, activations and logits all show in the RSS.
@@ -62,8 +57,10 @@ LLAMA_1B = LlamaConfig(
 
 
 def measure_peak(spec: dict[str, Any]) -> dict[str, int]:
-    """One forward_backward + optim_step as a worker runs them; the process's peak RSS in bytes."""
+    """One forward_backward + optim_step as a worker runs them; the process's peak RSS in bytes, and its
+    runtime footprint before any model, measured as a worker measures it when it registers."""
     torch.set_num_threads(1)
+    runtime = runtime_footprint(torch.device("cpu"))
     dtype = getattr(torch, spec["dtype"])
     if "builtin" in spec:
         from bios.models import load_base_model
@@ -85,15 +82,15 @@ def measure_peak(spec: dict[str, Any]) -> dict[str, int]:
     forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])
     commit_gradients(adapter)
     optim_step(adapter, AdamParams(learning_rate=1e-4))
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "runtime": runtime}
 
 
-def measured_peak(spec: dict[str, Any]) -> int:
+def measured_peak(spec: dict[str, Any]) -> dict[str, int]:
     done = subprocess.run(
         [sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 RAGGED = [256, 250, 240, 230]  # padded, so attention runs with a mask
@@ -115,10 +112,11 @@ def test_estimate_is_within_25_percent_of_measured_peak_rss(case):
         config = AutoConfig.from_pretrained(resolve_model_dir(spec["builtin"]), local_files_only=True)
     else:
         config = LlamaConfig(**spec["config"])
-    predicted = estimate(config, lora_rank=RANK, batch_tokens=len(spec["lengths"]) * max(spec["lengths"]), **options)
     measured = measured_peak(spec)
-    ratio = predicted.total / measured
-    assert 0.75 <= ratio <= 1.25, f"{case}: estimated {predicted.describe()}, measured {measured / MiB:.0f} MiB"
+    predicted = estimate(config, lora_rank=RANK, batch_tokens=len(spec["lengths"]) * max(spec["lengths"]),
+                         overhead_bytes=measured["runtime"], **options)
+    ratio = predicted.total / measured["peak"]
+    assert 0.75 <= ratio <= 1.25, f"{case}: estimated {predicted.describe()}, measured {measured['peak'] / MiB:.0f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------- plans
@@ -188,6 +186,15 @@ def test_tensor_parallel_sizes_must_divide_heads_and_intermediate():
         choose_plan(odd, GiB // 4, lora_rank=8, batch_tokens=1024, workers=4)
     with pytest.raises(ValueError, match="do not split evenly"):
         estimate(odd, lora_rank=8, batch_tokens=1024, tp=4)
+
+
+@pytest.mark.parametrize("name", ["bios/tiny-llama", "bios/tiny-qwen3"])
+def test_the_coordinator_reads_the_same_shape_from_config_json_without_transformers(name, tmp_path):
+    expected = ModelShape.from_config(AutoConfig.from_pretrained(resolve_model_dir(name), local_files_only=True))
+    assert model_shape(name) == expected
+    (tmp_path / "config.json").write_text((resolve_model_dir(name) / "config.json").read_text())
+    assert model_shape(str(tmp_path)) == expected
+    assert model_shape("no/such-model") is None
 
 
 def test_non_llama_configs_are_refused_by_name():

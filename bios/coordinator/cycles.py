@@ -7,6 +7,13 @@ state, and every member takes each adapter's state from rank 0 by broadcast. If 
 whole pool was lost) runs restore from their latest automatic checkpoint.
 
 A cycle hit by a failure is aborted: unfinished items go back to their queues and run again on the survivors.
+
+Tensor parallelism (a base model's memory plan needs k > 1 workers): a generation is `world // k` replicas of
+k shard holders (rank r holds shard r % k of replica r // k); members beyond a multiple of k stand by. Rank j
+of replica 0 is a survivor holding shard j, which every other replica's rank j takes by broadcast; when no
+survivor holds some shard, every adapter restores from its latest automatic checkpoint. Sample requests go to
+replicas (all k members of one run the same items), with a seed drawn here when the request has none, so the
+k members draw the same tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,7 +33,7 @@ from bios.actors.actor import ActorRef
 from .clock import CycleClock
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
-from .scheduler import Adapters, CycleEnded, Finished, RunsLost, SelectWork
+from .scheduler import Adapters, CycleEnded, Finished, Layout, PoolLayout, RunsLost, SelectWork
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,8 @@ class CycleRunner:
         self.generation = -1
         self.ranked: list[Member] = []
         self.holders: set[str] = set()
+        self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
+        self.layout = PoolLayout(1, ())  # the tensor-parallel size and plans the current generation runs
         self._join_failures: dict[str, int] = {}
         self._leaving: list[Member] = []
         self._lock = asyncio.Lock()
@@ -114,8 +124,15 @@ class CycleRunner:
         self._next_id += 1
         training = [i for i in items if not isinstance(i.op, m.Sample)]
         dealt: dict[str, list[m.WorkItem]] = {mb.worker_id: [] for mb in members}
+        tp = self.layout.tp
+        replicas = len(members) // tp
         for n, item in enumerate(i for i in items if isinstance(i.op, m.Sample)):
-            dealt[members[n % len(members)].worker_id].append(item)
+            if tp > 1 and item.op.sampling_params.seed is None:
+                params = dataclasses.replace(item.op.sampling_params, seed=secrets.randbits(31))
+                item = m.WorkItem(item.request_id, dataclasses.replace(item.op, sampling_params=params))
+            replica = n % replicas
+            for member in members[replica * tp : (replica + 1) * tp]:
+                dealt[member.worker_id].append(item)
         cycle = _Cycle(
             cycle_id=self._next_id,
             workers={mb.worker_id for mb in members},
@@ -236,31 +253,39 @@ class CycleRunner:
     # ------------------------------------------------------------------------------------ generations
 
     async def _current_generation(self) -> list[Member]:
-        """Every membership change bumps the generation, so an unchanged number means unchanged members."""
+        """Every membership change bumps the generation, so an unchanged number means unchanged members; a new
+        memory plan (a model that needs tensor parallelism) forms a new generation too."""
         while True:
             members = await self.membership.wait_for_alive()
+            layout: PoolLayout = await self.scheduler.ask(Layout())
             if self.generation == self.membership.generation:
-                return self.ranked
-            if await self._form(members):
+                if layout == self.layout:
+                    return self.ranked
+                self.membership.bump(f"memory plans changed (tensor-parallel size {self.layout.tp} -> {layout.tp})")
+            if len(members) < layout.tp:
+                log.warning("%d worker(s) alive, but the memory plan splits models over %d: waiting for more",
+                            len(members), layout.tp)
+                await self.membership.changed_since(self.membership.generation)
+                continue
+            if await self._form(members, layout):
                 return self.ranked
 
-    async def _form(self, members: list[Member]) -> bool:
+    async def _form(self, members: list[Member], layout: PoolLayout) -> bool:
         generation = self.membership.generation
-        holders = [mb for mb in members if mb.worker_id in self.holders]
-        ranked = holders + [mb for mb in members if mb.worker_id not in self.holders]
         adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters())
+        ranked, source_tp = self._rank(members, layout.tp)
         restore: dict[str, m.CheckpointState] = {}
-        if adapters and not holders:
+        if adapters and source_tp is None:
             adapters, restore = self._restore_from_checkpoints(adapters)
         master = ranked[0]
         forming = _Forming(generation, {mb.worker_id for mb in ranked})
         self.forming = forming
         for rank, member in enumerate(ranked):
-            if member.worker_id not in self.holders:
-                member.sampler_paths.clear()
+            if self.shards.get(member.worker_id) != (layout.tp, rank % layout.tp):
+                member.sampler_paths.clear()  # a newcomer, or a holder of another shard: samplers are reloaded
             await self.send(member.peer, m.Reconfigure(generation, rank, len(ranked), master.store_host,
                                                        master.store_port, self.collective_timeout_s, adapters,
-                                                       restore))
+                                                       restore, layout.tp, source_tp or layout.tp, list(layout.plans)))
         try:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -271,11 +296,39 @@ class CycleRunner:
             return False
         if generation != self.membership.generation:
             return False  # membership changed meanwhile: form again
-        self.generation, self.ranked = generation, ranked
+        self.generation, self.ranked, self.layout = generation, ranked, layout
         self.holders = {mb.worker_id for mb in ranked}
+        self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self._join_failures.clear()
         log.info("generation %d formed: %s", generation, ", ".join(mb.worker_id for mb in ranked))
         return True
+
+    def _rank(self, members: list[Member], tp: int) -> tuple[list[Member], int | None]:
+        """The members of the next generation in rank order, and how the state reaches them: the `source_tp`
+        of `Reconfigure` (1: whole on rank 0; tp: shard j on rank j), or None when no survivor can provide it.
+
+        Survivors keep their shard where they can (no reload); members beyond a multiple of `tp` stand by.
+        """
+        holders = [mb for mb in members if mb.worker_id in self.holders]
+        others = [mb for mb in members if mb.worker_id not in self.holders]
+        size = len(members) // tp * tp
+        if self.layout.tp == tp == 1:  # the holders have whole adapters (or there are none)
+            return holders + others, 1 if holders else None
+        if self.layout.tp != tp:
+            if self.holders:
+                log.error("adapters held over %d worker(s) are not re-split over %d: they restore from their latest "
+                          "automatic checkpoints", self.layout.tp, tp)
+            return (holders + others)[:size], None
+        by_shard = [[mb for mb in holders if self.shards.get(mb.worker_id) == (tp, j)] for j in range(tp)]
+        ranked: list[Member] = []
+        placed: set[str] = set()
+        for rank in range(size):
+            pick = next((mb for mb in by_shard[rank % tp] if mb.worker_id not in placed), None)
+            if pick is None:
+                pick = next(mb for mb in [*others, *holders] if mb.worker_id not in placed)
+            ranked.append(pick)
+            placed.add(pick.worker_id)
+        return ranked, tp if all(by_shard) else None
 
     async def _after_failed_formation(self, generation: int, failed: set[str]) -> None:
         """Members that cannot be reached are dead; one that keeps failing to join is dropped; then retry."""

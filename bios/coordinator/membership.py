@@ -30,6 +30,7 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "ready"  # ready | leaving | dead
     sampler_paths: set[str] = field(default_factory=set)  # sampler checkpoints this worker holds in memory
+    runtime_bytes: int = 0  # the worker's own footprint before any model (memory plans count it as overhead)
 
 
 class Membership:
@@ -41,7 +42,7 @@ class Membership:
 
     def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
         member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models),
-                        msg.store_host, msg.store_port)
+                        msg.store_host, msg.store_port, runtime_bytes=msg.runtime_bytes)
         self.members[msg.worker_id] = member
         self.bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
         return member

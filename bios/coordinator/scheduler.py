@@ -19,6 +19,7 @@ from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import ERROR_TYPES, BadRequestError, BiosAPIError, NotFoundError
+from bios.models.memory_plan import Plan, choose_plan, model_shape
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
@@ -32,6 +33,11 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 Push = Callable[[bytes, list[Any]], Awaitable[None]]
+Workers = Callable[[], list[Any]]  # the live workers (membership Members: memory_bytes, runtime_bytes)
+
+# Plans are sized for forward/backward passes of at most this many (padded) tokens; workers split bigger
+# batches into passes of this size, so a plan holds whatever the batch.
+PLAN_TOKENS_PER_PASS = 4096
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,22 @@ class Adapters:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How the pool holds its base models: the tensor-parallel size and each base model's plan."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    tp: int
+    plans: tuple[m.ModelPlan, ...]
+
+
+@dataclass(frozen=True)
+class PlanDescriptions:
+    """Base model -> its plan and estimate, for `bios status`."""
+
+
+@dataclass(frozen=True)
 class RunsLost:
     """These runs' state died with the worker pool and no checkpoint can bring it back."""
 
@@ -101,7 +123,7 @@ class Sampler:
 class Scheduler(Actor):
     def __init__(self, store: Store, catalog: Catalog, codec: Codec, push: Push, on_work: Callable[[], None],
                  config: SchedulerConfig | None = None, ledger: QuotaLedger | None = None,
-                 metrics: CoordinatorMetrics | None = None) -> None:
+                 metrics: CoordinatorMetrics | None = None, workers: Workers | None = None) -> None:
         self.store = store
         self.catalog = catalog
         self.codec = codec
@@ -117,6 +139,11 @@ class Scheduler(Actor):
         self.running: dict[str, Any] = {}  # request id -> op, for the current cycle
         self.steps: dict[str, int] = {}
         self.base_infos: dict[str, t.BaseModelInfo] = {}
+        self.workers = workers or (lambda: [])
+        self.plans: dict[str, Plan | None] = {}  # base model -> its memory plan (None: could not plan it)
+        self.plan_notes: dict[str, str] = {}  # base model -> the plan and estimate, or why there is none
+        self.tp = 1  # tensor-parallel size of the pool: grows when a model needs it, never shrinks under runs
+        self.waiting_plans: dict[str, t.LoraConfig] = {}  # base models created before any worker joined
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, Submit):
@@ -131,6 +158,11 @@ class Scheduler(Actor):
             return self._query(message.owner, message.body)
         if isinstance(message, Adapters):
             return [m.AdapterSpec(r.model_id, r.base_model, r.lora) for r in self.runs.values() if r.status == "ready"]
+        if isinstance(message, Layout):
+            await self._plan_waiting()
+            return PoolLayout(self.tp, tuple(self._model_plans()))
+        if isinstance(message, PlanDescriptions):
+            return dict(self.plan_notes)
         if isinstance(message, RunsLost):
             return await self._runs_lost(message.model_ids)
         if isinstance(message, QueueDepth):
@@ -298,6 +330,7 @@ class Scheduler(Actor):
             validate_lora_rank(op.lora.rank)
             if not op.base_model:
                 raise BadRequestError("base_model is empty", field="base_model")
+            self._plan(op.base_model, op.lora)
         elif isinstance(op, m.ForwardBackward):
             self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
             if run.info is not None:
@@ -323,6 +356,72 @@ class Scheduler(Actor):
                                       "use load_state instead", field="path")
             return dataclasses.replace(op, state=state)
         return op
+
+    # ------------------------------------------------------------------------------------ memory plans
+
+    def _plan(self, base_model: str, lora: t.LoraConfig) -> None:
+        """Pick (or re-pick, one adapter more) the plan of `base_model` from the live workers' budgets.
+
+        BadRequestError, refusing the run, when no plan fits. The pool's tensor-parallel size only grows: its
+        runs' adapters are split that way, and every base model of the pool is split alike.
+        """
+        workers = self.workers()
+        shape = model_shape(base_model)
+        if shape is None:
+            self.plans[base_model] = None
+            self.plan_notes[base_model] = "replicate (not planned: the coordinator cannot read its config.json)"
+            return
+        if not workers:
+            self.plans[base_model] = None
+            self.plan_notes[base_model] = "waiting for workers to plan"
+            self.waiting_plans[base_model] = lora
+            return
+        budget = min(worker.memory_bytes for worker in workers)
+        overheads = [worker.runtime_bytes for worker in workers if worker.runtime_bytes]
+        adapters = sum(1 for run in self.runs.values() if run.base_model == base_model and run.status != "failed")
+        plan = choose_plan(
+            shape, budget, lora_rank=lora.rank, batch_tokens=PLAN_TOKENS_PER_PASS, workers=len(workers),
+            num_adapters=adapters, device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
+            allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
+            model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
+        )
+        tp = max(self.tp, plan.tp)
+        for other, other_plan in {**self.plans, base_model: plan}.items():
+            problem = model_shape(other).tensor_parallel_problem(tp) if other_plan is not None and tp > 1 else None
+            if problem:
+                raise BadRequestError(
+                    f"{base_model} needs {plan.name} but the pool already splits its models over {self.tp} "
+                    f"workers and {other} cannot be split over {tp}: {problem}", field="base_model")
+        self.plans[base_model] = plan
+        self.plan_notes[base_model] = plan.describe()
+        if tp != self.tp:
+            log.info("the pool now splits base models over %d workers: %s needs %s", tp, base_model, plan.name)
+        self.tp = tp
+
+    async def _plan_waiting(self) -> None:
+        """Plan the base models whose runs were created before any worker joined; if one fits nowhere, its
+        runs fail with the planner's error, as `create_lora_training_client` would have."""
+        if not self.workers():
+            return
+        waiting, self.waiting_plans = self.waiting_plans, {}
+        for base_model, lora in waiting.items():
+            try:
+                self._plan(base_model, lora)
+            except BadRequestError as exc:
+                error = RemoteError.from_exception(exc)
+                for run in [r for r in self.runs.values() if r.base_model == base_model and r.status == "creating"]:
+                    run.status = "failed"
+                    self.store.set_run_status(run.model_id, "failed")
+                    for queued in run.queue.values():
+                        if not queued.rejected:
+                            await self._finished(m.ItemDone(0, queued.request_id, error=error))
+                    run.queue.clear()
+
+    def _model_plans(self) -> list[m.ModelPlan]:
+        return [
+            m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens)
+            for name, plan in self.plans.items() if plan is not None
+        ]
 
     # ------------------------------------------------------------------------------------ cycles
 
@@ -481,4 +580,5 @@ class Scheduler(Actor):
             is_lora=True,
             lora_rank=run.lora.rank,
             model_name=run.base_model,
+            memory_plan=self.plan_notes.get(run.base_model),
         )

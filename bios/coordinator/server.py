@@ -34,7 +34,7 @@ from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
-from .scheduler import Query, QueueDepth, Scheduler, SchedulerConfig, Submit
+from .scheduler import PlanDescriptions, Query, QueueDepth, Scheduler, SchedulerConfig, Submit
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Coordinator:
         scheduling = SchedulerConfig(self.config.checkpoint_every, self.config.keep_checkpoints)
         self.scheduler = spawn(
             lambda: Scheduler(self.store, self.catalog, self.codec, self._push, self.clock.work_queued, scheduling,
-                              self.ledger, self.metrics),
+                              self.ledger, self.metrics, workers=self.membership.alive),
             name="scheduler",
             policy=Policy.RESUME,
         )
@@ -276,6 +276,7 @@ class Coordinator:
             busy_s=self.clock.busy_s,
             uptime_s=time.monotonic() - self._started,
             phase_seconds=dict(self.runner.phase_seconds),
+            plans=await self.scheduler.ask(PlanDescriptions()),
         )
 
     async def refresh_metrics(self) -> None:

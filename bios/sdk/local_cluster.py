@@ -51,6 +51,7 @@ class LocalCluster:
         checkpoint_every: int = 0,
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
+        worker_memory_limit: str | int | None = None,
     ) -> None:
         self._owns_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="bios-"))
@@ -68,6 +69,7 @@ class LocalCluster:
         self.metrics_url: str | None = None  # http://HOST:PORT/metrics once started with `metrics`
         self.env = {**os.environ, **(env or {})}
         self.start_timeout_s = start_timeout_s
+        self.worker_memory_limit = worker_memory_limit  # bios-worker --memory-limit for every worker
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.address = ""
@@ -108,7 +110,8 @@ class LocalCluster:
             self.add_worker()
         return self
 
-    def add_worker(self) -> subprocess.Popen[bytes]:
+    def add_worker(self, memory_limit: str | int | None = None) -> subprocess.Popen[bytes]:
+        """Start one more worker; `memory_limit` (bytes or e.g. "2GiB") overrides `worker_memory_limit`."""
         keys = KeyStore.open(self.state_dir)
         if keys is not None:  # a keyed state dir: workers join with its token (through the environment, not argv)
             self.env["BIOS_WORKER_TOKEN"] = str(keys.cluster.worker_token())
@@ -116,6 +119,9 @@ class LocalCluster:
         args = ["-m", "bios.worker.main", "--coordinator", self.address, "--log-level", self.log_level]
         if self.worker_threads:
             args += ["--threads", str(self.worker_threads)]
+        limit = memory_limit if memory_limit is not None else self.worker_memory_limit
+        if limit is not None:
+            args += ["--memory-limit", str(limit)]
         worker = self._spawn(f"worker-{len(self.workers)}", args)
         self.workers.append(worker)
         return worker

@@ -4,6 +4,11 @@ gloo on CPU, NCCL on CUDA: the same code with another backend. Each worker hosts
 coordinator names one (the generation's rank 0) and every generation uses its own key prefix, so groups of
 different generations never mix. A world of one needs no process group at all. Collectives time out after a
 few seconds so a dead peer turns into an error, not a hang.
+
+With tensor parallelism over `tp` workers the generation is also cut into subgroups: rank r is shard r % tp
+of replica r // tp; `tp_group` joins the shard holders of one replica (the model's all-reduces, the shared
+LoRA gradients), `dp_group` the holders of one shard across replicas (the data-parallel gradient sum and the
+hand-over of a shard from replica 0). None stands for the whole world.
 """
 
 from __future__ import annotations
@@ -44,13 +49,30 @@ class CollectiveGroup:
         self.generation = 0
         self.rank = 0
         self.world = 1
+        self.tp = 1
+        self.tp_group: dist.ProcessGroup | None = None
+        self.dp_group: dist.ProcessGroup | None = None
         self._client: dist.TCPStore | None = None
 
+    @property
+    def replicas(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
     def rebuild(self, generation: int, rank: int, world: int, master_host: str, master_port: int,
-                timeout_s: float) -> None:
+                timeout_s: float, tp: int = 1) -> None:
         """Leave the old group and join this generation's; blocks until every member has joined."""
         self.destroy()
-        self.generation, self.rank, self.world = generation, rank, world
+        if world % tp:
+            raise CollectiveError(f"generation {generation}: {world} workers do not form replicas of {tp}")
+        self.generation, self.rank, self.world, self.tp = generation, rank, world, tp
         if world == 1:
             return
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -62,9 +84,25 @@ class CollectiveGroup:
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/", base), rank=rank,
                                     world_size=world, timeout=timeout)
+            if tp > 1:
+                self._subgroups(tp)
         except Exception as exc:
             raise CollectiveError(f"could not form generation {generation} ({world} workers): {exc}") from exc
-        log.info("joined generation %d as rank %d of %d (%s)", generation, rank, world, self.backend)
+        log.info("joined generation %d as rank %d of %d (%s, tensor-parallel size %d)", generation, rank, world,
+                 self.backend, tp)
+
+    def _subgroups(self, tp: int) -> None:
+        """Every member creates every subgroup, in the same order (`new_group` is collective)."""
+        replicas = self.world // tp
+        for replica in range(replicas):
+            group = dist.new_group(list(range(replica * tp, (replica + 1) * tp)))
+            if replica == self.replica:
+                self.tp_group = group
+        for shard in range(tp):
+            ranks = list(range(shard, self.world, tp))
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if shard == self.tp_rank and group is not None:
+                self.dp_group = group
 
     def destroy(self) -> None:
         if dist.is_initialized():
@@ -74,24 +112,37 @@ class CollectiveGroup:
                 log.debug("destroying the old group: %s", exc)
         self.world = 1
         self.rank = 0
+        self.tp = 1
+        self.tp_group = self.dp_group = None
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         if self.world > 1:
-            self._guard(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
+            self.guard(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM))
+
+    def all_reduce_replicas_(self, tensor: torch.Tensor) -> None:
+        """Sum over the replicas holding the same shard (everyone, without tensor parallelism)."""
+        if self.replicas > 1:
+            self.guard(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dp_group))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         if self.world > 1:
-            self._guard(lambda: dist.broadcast(tensor, src=src))
+            self.guard(lambda: dist.broadcast(tensor, src=src))
+
+    def broadcast_from_first_replica_(self, tensor: torch.Tensor) -> None:
+        """Every replica takes the tensor of replica 0's member holding the same shard."""
+        if self.replicas > 1:
+            self.guard(lambda: dist.broadcast(tensor, src=self.tp_rank, group=self.dp_group))
+
+    def guard(self, fn: Any) -> Any:
+        """Run `fn` (which runs collectives), turning a failure into a `CollectiveError`."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise CollectiveError(f"collective failed in generation {self.generation}: {exc}") from exc
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        self._guard(lambda: dist.all_gather_object(out, obj))
+        self.guard(lambda: dist.all_gather_object(out, obj))
         return out
-
-    def _guard(self, fn: Any) -> None:
-        try:
-            fn()
-        except Exception as exc:
-            raise CollectiveError(f"collective failed in generation {self.generation}: {exc}") from exc

@@ -7,6 +7,7 @@ cycles to it), so heartbeats keep flowing while a long cycle runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -51,6 +52,19 @@ def device_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().total)
 
 
+@functools.cache
+def runtime_footprint(device: torch.device) -> int:
+    """What this process holds before any model, which memory plans count as fixed overhead: on CPU the RSS
+    once the Transformers model code is imported (the first model load would import it anyway), measured
+    once (a re-registration must not count the models loaded since); 0 on CUDA, whose budget is device
+    memory (the planner's CUDA default covers the context)."""
+    if device.type == "cuda":
+        return 0
+    import transformers.modeling_utils  # noqa: F401  (the bulk of what loading a model imports)
+
+    return int(psutil.Process().memory_info().rss)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     coordinator: str
@@ -58,6 +72,7 @@ class WorkerConfig:
     worker_id: str = ""
     token: str | None = None
     discover_timeout_s: float = 60.0
+    memory_limit: int | None = None  # bytes reported as this worker's budget instead of the device's memory
 
 
 class Trainer(Actor):
@@ -155,11 +170,12 @@ class WorkerDaemon:
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 device=str(self.config.device),
-                memory_bytes=device_memory(self.config.device),
+                memory_bytes=self.config.memory_limit or device_memory(self.config.device),
                 token=self.config.token,
                 models=[entry.name for entry in list_models()],
                 store_host=self.group.host,
                 store_port=self.group.store_port,
+                runtime_bytes=runtime_footprint(self.config.device),
             ),
             timeout=self.config.discover_timeout_s,
         )

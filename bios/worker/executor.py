@@ -7,6 +7,11 @@ the gradient sum across members (one all-reduce per adapter) and the commit; the
 
 A failed collective aborts the cycle: uncommitted gradients are dropped and the coordinator re-runs what did
 not finish. Every member reports what it finished; the coordinator keeps the first report of each item.
+
+Tensor parallelism (see bios/worker/tensor_parallel.py and collectives.py): batches are split over replicas,
+not members; the k shard holders of a replica run the same rows, sum the LoRA gradients only they each saw a
+share of (`reduce_shared_grads`) and then sum across replicas; the optimizer clips by the whole adapter's
+norm; saves gather the whole adapter, so a checkpoint is the one a single worker would write.
 """
 
 from __future__ import annotations
@@ -26,10 +31,20 @@ from bios.exceptions import BadRequestError
 from bios.validation import validate_adam_params, validate_forward_backward, validate_sample
 
 from . import engine
+from .adapter import AdapterState
 from .checkpoint import export_state, load_into
 from .collectives import CollectiveError, CollectiveGroup
 from .pool import Adapter, ModelPool
 from .sampling import SampleItem, generate
+from .tensor_parallel import (
+    TensorParallelError,
+    copy_full_into_shard,
+    gather_full_adapter,
+    reduce_shared_grads,
+    shard_info,
+    sharded_grad_norm,
+    sharded_optim_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +78,7 @@ class CycleExecutor:
     def __init__(self, pool: ModelPool, group: CollectiveGroup) -> None:
         self.pool = pool
         self.group = group
+        self.grad_norms: dict[str, float] = {}  # whole-adapter norm of each committed gradient (sharded adapters)
 
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
@@ -72,27 +88,27 @@ class CycleExecutor:
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
         closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
         touched: set[str] = set()
-        for item in creates:
-            done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
-            if done is not None:
-                report(done)
-            touched.add(f"{item.op.session_id}:train:{item.op.model_seq_id}")
         try:
+            for item in creates:
+                done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
+                if done is not None:
+                    report(done)
+                touched.add(f"{item.op.session_id}:train:{item.op.model_seq_id}")
             touched |= self._forward_phase(cycle.cycle_id, forwards, report)
-        except CollectiveError as exc:
+            mark = time.perf_counter()
+            for item in closing:
+                done = _attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op))
+                if done is not None:
+                    report(done)
+                touched.add(item.op.model_id)
+            self.seconds["closing"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+            self._sample_phase(cycle.cycle_id, samples, report)
+            self.seconds["sample"] = time.perf_counter() - mark
+        except (CollectiveError, TensorParallelError) as exc:
             log.warning("cycle %d aborted: %s", cycle.cycle_id, exc)
             return CycleOutcome(True, str(exc), {})
-        mark = time.perf_counter()
-        for item in closing:
-            done = _attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op))
-            if done is not None:
-                report(done)
-            touched.add(item.op.model_id)
-        self.seconds["closing"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        self._sample_phase(cycle.cycle_id, samples, report)
-        self.seconds["sample"] = time.perf_counter() - mark
-        checksums = {mid: self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
+        checksums = {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
                      if mid in self.pool.adapters}
         self.seconds["cycle"] = time.perf_counter() - started
         return CycleOutcome(False, "", checksums, self.seconds)
@@ -122,7 +138,7 @@ class CycleExecutor:
         gathered = self.group.all_gather_object(local)
         touched: set[str] = set()
         for base_model, group in groups.items():
-            parts = [g[base_model] for g in gathered]
+            parts = [g[base_model] for g in gathered[:: self.group.tp]]  # one member per replica
             failure = next((p for p in parts if isinstance(p, RemoteError)), None)
             training = sorted({a.state.model_id for it, a in group if not it.op.forward_only})
             if failure is not None:
@@ -146,13 +162,21 @@ class CycleExecutor:
         batch, slots = [], []
         for item, adapter in group:
             op = item.op
-            start, end = shard_range([d.model_input.length for d in op.data], self.group.world, self.group.rank)
+            start, end = shard_range([d.model_input.length for d in op.data], self.group.replicas,
+                                     self.group.replica)
             slots.append(end > start)
             if end > start:
                 batch.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
                                                 op.forward_only))
+        base = group[0][1]
         try:
-            outputs = iter(engine.forward_backward(group[0][1].base.model, batch)) if batch else iter(())
+            outputs = iter(engine.forward_backward(base.base.model, batch,
+                                                   max_tokens_per_pass=self.pool.tokens_per_pass(base.base_model))
+                           if batch else ())
+        except TensorParallelError:
+            for _, adapter in group:
+                engine.discard_gradients(adapter.state)
+            raise
         except Exception as exc:
             log.exception("a batched forward of %d items failed", len(batch))
             for _, adapter in group:
@@ -161,29 +185,58 @@ class CycleExecutor:
         return [next(outputs) if has_rows else _empty_output() for has_rows in slots]
 
     def _sum_and_commit(self, adapters: list[Adapter], training: list[str]) -> dict[str, float]:
-        by_id = {a.state.model_id: a.state for a in adapters}
+        """Sum every member's gradient contributions, then commit them on every member or on none.
+
+        Under tensor parallelism the sums run in subgroups, which can fail for some members and succeed for
+        others; one last collective over everyone decides, so survivors never disagree about a commit. The
+        whole adapter's gradient norm is taken then too, so the optimizer step needs no collective of its own
+        (one that could half-succeed after its request was reported done).
+        """
+        by_id = {a.state.model_id: a for a in adapters}
+        norms: dict[str, float] = {}
         try:
             for model_id in training:  # every member walks the same sorted list: collectives line up
-                self.group.all_reduce_sum_(by_id[model_id].pending_grad)
+                adapter = by_id[model_id]
+                info = shard_info(adapter.base.model)
+                if info is not None:
+                    self.group.guard(lambda: reduce_shared_grads(adapter.state, info, self.group.tp_group))
+                self.group.all_reduce_replicas_(adapter.state.pending_grad)
+                if info is not None:
+                    total = adapter.state.grad + adapter.state.pending_grad
+                    norms[model_id] = self.group.guard(
+                        lambda: sharded_grad_norm(adapter.state, info, self.group.tp_group, grad=total))
+            if self.group.tp > 1:
+                self.group.all_reduce_sum_(torch.zeros(1))
         except CollectiveError:
-            for state in by_id.values():
-                engine.discard_gradients(state)
+            for adapter in by_id.values():
+                engine.discard_gradients(adapter.state)
             raise
-        return {model_id: engine.commit_gradients(by_id[model_id]) for model_id in training}
+        self.grad_norms.update(norms)
+        for model_id in training:
+            local_norm = engine.commit_gradients(by_id[model_id].state)
+            norms.setdefault(model_id, local_norm)  # a shard's local norm is not the whole adapter's
+        return norms
 
     # ------------------------------------------------------------------------------------ membership
 
     def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
-        """Join a new generation and make every adapter identical to rank 0's (or to its checkpoint)."""
+        """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
+        shard (rank 0 without tensor parallelism), or its checkpoint."""
         wanted = {spec.model_id: spec for spec in msg.adapters}
+        if msg.source_tp != msg.tp and any(spec.model_id not in msg.restore for spec in msg.adapters):
+            raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
         for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
             del self.pool.adapters[model_id]
+        self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
+        self.grad_norms.clear()
+        self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
+                           msg.tp)
+        self.pool.bind_group(self.group.tp_group)
         for spec in msg.adapters:
             checkpoint = msg.restore.get(spec.model_id)
             if checkpoint is not None or spec.model_id not in self.pool.adapters:
                 self.pool.create(m.CreateModel("", 0, spec.base_model, spec.lora, state=checkpoint,
-                                               with_optimizer=True), model_id=spec.model_id)
-        self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s)
+                                               with_optimizer=True), model_id=spec.model_id, seed=spec.lora.seed or 0)
         for model_id in sorted(wanted):
             state = self.pool.adapters[model_id].state
             engine.discard_gradients(state)
@@ -191,19 +244,29 @@ class CycleExecutor:
                 continue
             step = torch.tensor([state.step], dtype=torch.int64)
             for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
-                self.group.broadcast_(buffer, src=0)
+                self.group.broadcast_from_first_replica_(buffer)
             state.step = int(step.item())
-        return {mid: self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
+        return {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
+
+    def _checksum_key(self, model_id: str) -> str:
+        """Replicas of the same shard must agree; different shards of one adapter differ by nature."""
+        return model_id if self.group.tp == 1 else f"{model_id}/shard{self.group.tp_rank}"
 
     # ------------------------------------------------------------------------------------ closing ops
 
     def _closing_op(self, op: Any) -> Any:
         if isinstance(op, m.OptimStep):
             validate_adam_params(op.adam_params)
-            return engine.optim_step(self.pool.adapter(op.model_id).state, op.adam_params)
+            adapter = self.pool.adapter(op.model_id)
+            info = shard_info(adapter.base.model)
+            if info is None:
+                return engine.optim_step(adapter.state, op.adam_params)
+            norm = self.grad_norms.pop(op.model_id, None)
+            return self.group.guard(lambda: sharded_optim_step(adapter.state, op.adam_params, info,
+                                                               self.group.tp_group, grad_norm=norm))
         if isinstance(op, m.SaveWeights):
             adapter = self.pool.adapter(op.model_id)
-            saved = export_state(adapter.state, base_model=adapter.base_model, base_info=adapter.base.info,
+            saved = export_state(self._whole(adapter), base_model=adapter.base_model, base_info=adapter.base.info,
                                  with_optimizer=op.kind == "weights")
             if op.kind == "sampler_weights":
                 self.pool.add_sampler(op.path, adapter.base_model, saved)
@@ -211,9 +274,27 @@ class CycleExecutor:
         if isinstance(op, m.LoadWeights):
             if op.state is None:
                 raise BadRequestError(f"no checkpoint data came with the load of {op.path}", field="path")
-            load_into(self.pool.adapter(op.model_id).state, op.state, with_optimizer=op.optimizer)
+            adapter = self.pool.adapter(op.model_id)
+            info = shard_info(adapter.base.model)
+            self.grad_norms.pop(op.model_id, None)  # the load drops the committed gradient
+            if info is None:
+                load_into(adapter.state, op.state, with_optimizer=op.optimizer)
+            else:
+                shard = adapter.state
+                full = AdapterState(shard.model_id, shard.config,
+                                    [info.full_target(target.module_name) for target in shard.targets], shard.seed,
+                                    shard.params.device)
+                load_into(full, op.state, with_optimizer=op.optimizer)
+                copy_full_into_shard(full, shard, info)
             return t.LoadWeightsResponse(path=op.path, model_id=op.model_id)
         raise BadRequestError(f"workers do not run {type(op).__name__}", field="kind")
+
+    def _whole(self, adapter: Adapter) -> AdapterState:
+        """The whole adapter: itself, or gathered from the shard holders of this member's replica."""
+        info = shard_info(adapter.base.model)
+        if info is None:
+            return adapter.state
+        return self.group.guard(lambda: gather_full_adapter(adapter.state, info, self.group.tp_group))
 
     # ------------------------------------------------------------------------------------ sampling
 
@@ -239,6 +320,8 @@ class CycleExecutor:
             try:
                 responses = generate(base.model, base.tokenizer, [s for _, s in group],
                                      eos_token_id=base.info.eos_token_id)
+            except TensorParallelError:
+                raise
             except Exception as exc:
                 for item, _ in group:
                     report(_failed(cycle_id, item, exc))
@@ -262,8 +345,11 @@ def _merge(parts: list[t.ForwardBackwardOutput]) -> t.ForwardBackwardOutput:
 
 
 def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any]) -> m.ItemDone | None:
+    """Run one op: its result or error for the client, or nothing; a failed collective aborts the cycle."""
     try:
         result = fn()
+    except (CollectiveError, TensorParallelError):
+        raise
     except Exception as exc:
         return _failed(cycle_id, item, exc)
     return None if result is None else m.ItemDone(cycle_id, item.request_id, result=result)

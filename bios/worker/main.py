@@ -30,8 +30,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token", default=os.environ.get("BIOS_WORKER_TOKEN"), help="cluster worker token")
     p.add_argument("--model-map", default=None, metavar="FILE",
                    help="JSON map of model names to local directories (same as BIOS_MODEL_MAP)")
+    p.add_argument("--memory-limit", type=parse_size, default=None, metavar="SIZE",
+                   help="memory budget to plan with instead of the device's (e.g. 2GiB, 512MiB); the coordinator "
+                        "splits a model that does not fit over several workers (tensor parallelism)")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """`2GiB`, `512MiB`, `1.5GB`, `3000000000` -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if value <= 0 or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 2GiB, 512MiB or 1500000000")
+    return int(value * _SIZE_UNITS[unit])
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -39,7 +59,7 @@ async def run(args: argparse.Namespace) -> None:
         os.environ["BIOS_MODEL_MAP"] = args.model_map  # bios.models reads names through this
     device = torch.device(args.device) if args.device else default_device()
     daemon = WorkerDaemon(WorkerConfig(coordinator=args.coordinator, device=device,
-                                       worker_id=args.worker_id, token=args.token))
+                                       worker_id=args.worker_id, token=args.token, memory_limit=args.memory_limit))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.leave("SIGTERM")))

@@ -1,4 +1,9 @@
-"""What a worker holds: one copy of each base model, shared by any number of LoRA adapters."""
+"""What a worker holds: one copy of each base model, shared by any number of LoRA adapters.
+
+Under tensor parallelism (`configure` with tp > 1) each base model is held as this worker's shard, loaded
+slice by slice so the whole model never has to fit, and adapters are shards of the whole adapter. Each base
+model is held as its memory plan says (activation checkpointing, tokens per pass).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,29 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from bios import messages as m
 from bios import types as t
 from bios.exceptions import BadRequestError, NotFoundError
-from bios.models import LoadedModel, UnknownModelError, load_base_model
+from bios.models import LoadedModel, UnknownModelError, load_base_model, load_tokenizer, model_info
+from bios.models import resolve_model_dir
 
 from .adapter import AdapterState, validate_lora_config
 from .checkpoint import restore_adapter, sampler_adapter
 from .lora import attach_lora
+from .memory_plan import enable_activation_checkpointing
+from .tensor_parallel import (
+    create_sharded_adapter,
+    full_parameter_count,
+    load_sharded_model,
+    rebind_group,
+    restore_sharded_adapter,
+    shard_checkpoint,
+    shard_info,
+    TensorParallelError,
+    shared_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,37 +55,103 @@ class ModelPool:
     bases: dict[str, LoadedModel] = field(default_factory=dict)
     adapters: dict[str, Adapter] = field(default_factory=dict)
     samplers: dict[str, Adapter] = field(default_factory=dict)  # sampler checkpoints by path
+    tp: int = 1  # tensor-parallel size: base models are held as shard `tp_rank` of `tp`
+    tp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    plans: dict[str, m.ModelPlan] = field(default_factory=dict)
+    _layouts: dict[str, tuple[int, int, m.ModelPlan]] = field(default_factory=dict)  # how each base is held
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def configure(self, tp: int, tp_rank: int, plans: list[m.ModelPlan]) -> None:
+        """Hold base models as shard `tp_rank` of `tp` with these plans from now on. A base held otherwise is
+        dropped, with its adapters and samplers: the caller re-creates them (and receives their state)."""
+        self.tp, self.tp_rank = tp, tp_rank
+        self.plans = {plan.base_model: plan for plan in plans}
+        for name in [name for name in self.bases if self._layouts[name] != self._layout(name)]:
+            log.info("dropping base model %s: it is now held as %s", name, self._layout(name))
+            del self.bases[name]
+            del self._layouts[name]
+            for table in (self.adapters, self.samplers):
+                for key in [key for key, adapter in table.items() if adapter.base_model == name]:
+                    del table[key]
+
+    def bind_group(self, group: dist.ProcessGroup | None) -> None:
+        """Point every sharded base model's all-reduces at this generation's tensor-parallel group."""
+        self.tp_group = group
+        for loaded in self.bases.values():
+            if shard_info(loaded.model) is not None:
+                rebind_group(loaded.model, group)
+
+    def _layout(self, name: str) -> tuple[int, int, m.ModelPlan]:
+        return self.tp, self.tp_rank, self.plans.get(name, m.ModelPlan(name))
+
+    def tokens_per_pass(self, name: str) -> int:
+        return self.plans.get(name, m.ModelPlan(name)).tokens_per_pass
 
     def base(self, name: str) -> LoadedModel:
         with self._lock:
             loaded = self.bases.get(name)
             if loaded is None:
                 started = time.monotonic()
+                plan = self.plans.get(name, m.ModelPlan(name))
                 try:
-                    loaded = load_base_model(name, device=self.device)
+                    loaded = self._load(name)
                 except UnknownModelError as exc:
                     raise BadRequestError(str(exc), field="base_model") from None
                 attach_lora(loaded.model)
+                if plan.activation_checkpointing:
+                    enable_activation_checkpointing(loaded.model)
                 self.bases[name] = loaded
-                log.info("loaded base model %s (%d parameters) in %.1fs",
-                         name, loaded.info.num_parameters, time.monotonic() - started)
+                self._layouts[name] = self._layout(name)
+                log.info("loaded base model %s (%d parameters%s) in %.1fs, plan %s", name,
+                         loaded.info.num_parameters, f", shard {self.tp_rank} of {self.tp}" if self.tp > 1 else "",
+                         time.monotonic() - started, plan)
             return loaded
 
-    def create(self, op: m.CreateModel, *, model_id: str | None = None) -> m.ModelCreated:
+    def _load(self, name: str) -> LoadedModel:
+        if self.tp == 1:
+            return load_base_model(name, device=self.device)
+        model, _ = load_sharded_model(resolve_model_dir(name), self.tp_rank, self.tp, self.tp_group,
+                                      device=self.device)
+        return LoadedModel(model, load_tokenizer(name), model_info(name))
+
+    def create(self, op: m.CreateModel, *, model_id: str | None = None, seed: int | None = None) -> m.ModelCreated:
+        """A run's adapter. Sharded, every member of the generation must call this in the same order (the
+        adapter's seed is agreed on by broadcast) unless `seed` is given (a placeholder whose state is sent)."""
         model_id = model_id or f"{op.session_id}:train:{op.model_seq_id}"
         base = self.base(op.base_model)
-        validate_lora_config(base.model, op.lora)
-        if op.state is not None:
-            state = restore_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
-                                    device=self.device)
+        info = shard_info(base.model)
+        if info is not None:
+            if op.state is not None:
+                state = restore_sharded_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
+                                                device=self.device)
+            else:
+                seed = self._shared_seed(op.lora) if seed is None else seed
+                state = create_sharded_adapter(model_id, base.model, op.lora, seed=seed, device=self.device)
+            count = full_parameter_count(state, info)
         else:
-            state = AdapterState.create(model_id, base.model, op.lora, device=self.device)
+            validate_lora_config(base.model, op.lora)
+            if op.state is not None:
+                state = restore_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
+                                        device=self.device)
+            else:
+                state = AdapterState.create(model_id, base.model, op.lora, device=self.device)
+            count = state.num_parameters()
         self.adapters[model_id] = Adapter(state, base, op.base_model)
-        return m.ModelCreated(model_id, base.info, op.lora.rank, state.num_parameters())
+        return m.ModelCreated(model_id, base.info, op.lora.rank, count)
+
+    @staticmethod
+    def _shared_seed(lora: t.LoraConfig) -> int:
+        try:
+            return shared_seed(lora)
+        except Exception as exc:
+            raise TensorParallelError(f"could not agree on an adapter seed: {exc}") from exc
 
     def add_sampler(self, path: str, base_model: str, checkpoint: m.CheckpointState) -> None:
         base = self.base(base_model)
+        info = shard_info(base.model)
+        if info is not None:
+            checkpoint = shard_checkpoint(checkpoint, info)
         self.samplers[path] = Adapter(sampler_adapter(path, base.model, checkpoint, device=self.device), base,
                                       base_model)
 

@@ -42,15 +42,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from bios.kernels.adamw import adamw_step
+from bios.messages import CheckpointState
 from bios.types import AdamParams, LoraConfig, OptimStepResponse
 from bios.worker.adapter import AdapterState, LoraTarget, init_lora_weights, lora_targets, validate_lora_config
+from bios.worker.checkpoint import load_into, restore_adapter
 from bios.worker.lora import LoraLinear, attach_lora
-from bios.worker.memory_plan import ModelShape
+from bios.models.memory_plan import ModelShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -92,6 +95,18 @@ class ShardInfo:
 # ---------------------------------------------------------------------------------------------- collectives
 
 
+class TensorParallelError(RuntimeError):
+    """An all-reduce inside a sharded model failed (a peer of the group died or timed out): not the input's
+    fault, so the cycle is aborted and re-run, not reported as a failed request."""
+
+
+def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None) -> None:
+    try:
+        dist.all_reduce(tensor, group=group)
+    except Exception as exc:
+        raise TensorParallelError(f"tensor-parallel all-reduce failed: {exc}") from exc
+
+
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; backward sums the input gradient, of which each worker computed its shard's share."""
 
@@ -103,7 +118,7 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        _all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -113,7 +128,7 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        _all_reduce(out, group)
         return out
 
     @staticmethod
@@ -226,7 +241,8 @@ def load_sharded_model(
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} holds no *.safetensors files to load a tensor-parallel shard from")
-    wanted = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    # Every name of a tied parameter: a file may store a tied head under either name.
+    wanted = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     loaded = set()
     with torch.no_grad():
         for file in files:
@@ -235,7 +251,7 @@ def load_sharded_model(
                     if name in wanted:
                         tensor = wanted[name]
                         tensor.copy_(_stored_slice(handle.get_slice(name), name, info, tuple(tensor.shape)))
-                        loaded.add(name)
+                        loaded |= {alias for alias, other in wanted.items() if other is tensor}
         for name, module in list(model.named_modules()):
             if _is_rotary(module):
                 parent, _, leaf = name.rpartition(".")
@@ -403,15 +419,22 @@ def commit_sharded_gradients(adapter: AdapterState, info: ShardInfo, group: dist
 
 
 def sharded_optim_step(
-    adapter: AdapterState, params: AdamParams, info: ShardInfo, group: dist.ProcessGroup | None = None
+    adapter: AdapterState,
+    params: AdamParams,
+    info: ShardInfo,
+    group: dist.ProcessGroup | None = None,
+    *,
+    grad_norm: float | None = None,
 ) -> OptimStepResponse:
     """`engine.optim_step` for a shard: clip by the whole adapter's gradient norm, then AdamW on the shard.
 
     AdamW is elementwise, so each worker updating its slices (and every worker updating the whole factors
-    identically) is the single-worker update; only the clipping norm needs the group.
+    identically) is the single-worker update; only the clipping norm needs the group, and it is taken before
+    anything changes, so a failed collective leaves the adapter as it was (the step can run again).
+    `grad_norm`, when the caller already has that norm (taken when the gradient was committed), skips it.
     """
+    norm = sharded_grad_norm(adapter, info, group) if grad_norm is None else grad_norm
     adapter.step += 1
-    norm = sharded_grad_norm(adapter, info, group)
     if params.grad_clip_norm > 0:
         total = torch.tensor(norm, dtype=adapter.grad.dtype, device=adapter.grad.device)
         adapter.grad.mul_(torch.clamp(params.grad_clip_norm / (total + _CLIP_NORM_EPS), max=1.0))
@@ -468,13 +491,14 @@ def gather_full_adapter(
 
 @torch.no_grad()
 def copy_full_into_shard(full: AdapterState, shard: AdapterState, info: ShardInfo) -> None:
-    """Load a whole adapter (e.g. restored from a checkpoint) into this worker's shard: params, moments, step."""
+    """Load a whole adapter (e.g. restored from a checkpoint) into this worker's shard: params, committed
+    gradient, moments, step, scale."""
     names = [target.module_name for target in shard.targets]
     if [target.module_name for target in full.targets] != names:
         raise ValueError(f"adapter {full.model_id} trains other layers than the shard {shard.model_id}")
     pairs = [(full.params, shard.params)]
     if shard.trainable:
-        pairs += [(full.exp_avg, shard.exp_avg), (full.exp_avg_sq, shard.exp_avg_sq)]
+        pairs += [(full.grad, shard.grad), (full.exp_avg, shard.exp_avg), (full.exp_avg_sq, shard.exp_avg_sq)]
     for full_buffer, shard_buffer in pairs:
         full_views = _pairs_in(full_buffer, full)
         for name, (shard_a, shard_b) in _pairs_in(shard_buffer, shard).items():
@@ -482,6 +506,35 @@ def copy_full_into_shard(full: AdapterState, shard: AdapterState, info: ShardInf
             shard_a.copy_(lora_a)
             shard_b.copy_(lora_b)
     shard.step = full.step
+    shard.scale = full.scale
+
+
+def full_parameter_count(adapter: AdapterState, info: ShardInfo) -> int:
+    """Parameters of the whole adapter a shard belongs to (what a single worker would report)."""
+    rank = adapter.config.rank
+    return sum(rank * sum(info.full_shapes[target.module_name]) for target in adapter.targets)
+
+
+def shard_checkpoint(state: CheckpointState, info: ShardInfo) -> CheckpointState:
+    """A checkpoint's adapter tensors cut to this worker's slices (no optimizer state): for sampler weights."""
+    full = {key: torch.from_numpy(np.asarray(value)) for key, value in state.adapter.items()}
+    tensors = {key: value.numpy() for key, value in shard_adapter_state(full, info).items()}
+    return CheckpointState(adapter=tensors, optimizer=None, metadata=state.metadata)
+
+
+def restore_sharded_adapter(
+    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str
+) -> AdapterState:
+    """`checkpoint.restore_adapter` for a sharded model: this worker's slice of a whole-adapter checkpoint,
+    with its slice of the Adam moments when `with_optimizer`."""
+    info = _require_sharded(model)
+    shard = restore_adapter(model_id, model, shard_checkpoint(state, info), with_optimizer=False, device=device)
+    if with_optimizer:
+        full = AdapterState(model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
+                            shard.seed, device)
+        load_into(full, state, with_optimizer=True)
+        copy_full_into_shard(full, shard, info)
+    return shard
 
 
 def shard_adapter_state(full_state: dict[str, Tensor], info: ShardInfo) -> dict[str, Tensor]:

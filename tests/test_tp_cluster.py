@@ -1,0 +1,171 @@
+"""Tensor parallelism in the running cluster: workers whose `--memory-limit` is too small for a model train it
+split over two of them (TP=2), and over four as 2 replicas x 2 shards, with the results of one unconstrained
+worker; sampling gives the same tokens; a SIGKILLed shard holder is replaced from a replica of its shard; a
+model that fits nowhere is refused when the run is created.
+
+The model is a random Llama written to a local directory: 12 layers of width 384, so tensor parallelism
+halves most of its activations, with the built-ins' byte-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import text_datum
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import bios
+from bios import types
+from bios.exceptions import BadRequestError
+from bios.models import resolve_model_dir
+from bios.models.cache import save_model_files
+from bios.models.memory_plan import MiB, USABLE_FRACTION, ModelShape, estimate
+
+pytestmark = pytest.mark.e2e
+
+RANK = 8
+SEED = 23
+STEPS = 4
+# Adam moves every weight by ~lr whatever its gradient, so weights whose gradient is at the rounding level of
+# the shards' different summation order move by up to ~lr differently: lr 1e-3 keeps that under 1e-5.
+PARAMS = types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
+BATCH = [text_datum(f"Tensor parallel sentence {i}: heads and columns split over workers.") for i in range(6)]
+PROMPT = types.ModelInput.from_ints(list(b"Tensor parallel"))
+GREEDY = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+SEEDED = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop=[])
+SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=96)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The test model, written once; its config is all the coordinator reads to plan."""
+    tiny = resolve_model_dir("bios/tiny-llama")
+    config = LlamaConfig(**{**json.loads((tiny / "config.json").read_text()), **SHAPE})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    directory = tmp_path_factory.mktemp("tp-model")
+    save_model_files(model, directory)
+    for name in tiny.iterdir():
+        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
+            shutil.copy(name, directory / name.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def memory_limit(model_dir) -> int:
+    """A budget between the TP=2 plan's estimate and the smallest single-worker plan's, so only TP=2 fits."""
+    shape = ModelShape.from_dict(json.loads((model_dir / "config.json").read_text()))
+    options = dict(lora_rank=RANK, batch_tokens=4096, activation_checkpointing=True)
+    one, two = (estimate(shape, tp=tp, **options).total for tp in (1, 2))
+    assert two < one - 100 * MiB, "the test model must shrink clearly under TP=2"
+    return int((one + two) / 2 / USABLE_FRACTION)
+
+
+def _train(tc, steps):
+    futures = []
+    for _ in range(steps):
+        futures.append(tc.forward_backward(BATCH))
+        futures.append(tc.optim_step(PARAMS))
+    return futures
+
+
+def _weights(service, tc):
+    path = tc.save_state().result(120).path
+    return service.create_rest_client().download_checkpoint(path).result().adapter
+
+
+def _samples(tc):
+    """Tokens and their log-probs of a greedy and a seeded sample of two sequences each."""
+    sampler = tc.save_weights_and_get_sampling_client()
+    sequences = [seq for params in (GREEDY, SEEDED) for seq in sampler.sample(PROMPT, 2, params).result(120).sequences]
+    return [seq.tokens for seq in sequences], [lp for seq in sequences for lp in seq.logprobs]
+
+
+def _assert_same_weights(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=tol, atol=tol, err_msg=key)
+
+
+def _wait_for_workers(service, n, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(w.state in ("active", "joining") for w in service.cluster_status().workers) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} workers came up")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """One unconstrained worker: losses, weights and samples every tensor-parallel run must reproduce."""
+    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        assert tc.get_info().memory_plan.startswith("replicate:")
+        losses = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
+        return losses, _weights(svc, tc), _samples(tc)
+
+
+def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_dir, memory_limit, reference):
+    losses, weights, samples = reference
+    with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=memory_limit) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        plan = tc.get_info().memory_plan
+        assert plan.startswith("tp2+checkpointing: 1 replica(s) x 2 tensor-parallel worker(s)"), plan
+        assert svc.cluster_status().plans[str(model_dir)] == plan
+        got = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
+        assert got == pytest.approx(losses, rel=1e-5)
+        _assert_same_weights(_weights(svc, tc), weights)
+        tokens, logprobs = _samples(tc)
+        assert tokens == samples[0]
+        assert logprobs == pytest.approx(samples[1], abs=1e-4)
+
+
+def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, memory_limit):
+    """Only config.json is read: the refusal comes before any worker loads anything."""
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+                                                  "intermediate_size": 8192, "num_hidden_layers": 16,
+                                                  "num_attention_heads": 32, "num_key_value_heads": 8}))
+    with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=memory_limit) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        with pytest.raises(BadRequestError) as caught:
+            svc.create_lora_training_client(str(huge), rank=RANK)
+        message = str(caught.value)
+        assert f"model {huge} needs ~" in message and "even with TP=2 and activation checkpointing" in message
+        assert "TP=3 needs 3 workers, the pool has 2" in message
+
+
+def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(model_dir, memory_limit, reference):
+    """Four constrained workers: 2 replicas x 2 shards. After two steps one of them is killed; the three
+    survivors form one replica of two (both shards survive in some replica) and one stands by."""
+    losses, weights, _ = reference
+    with bios.LocalCluster(workers=4, worker_threads=1, worker_memory_limit=memory_limit,
+                           heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 4)
+        tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        assert tc.get_info().memory_plan.startswith("tp2+checkpointing: 2 replica(s) x 2"), tc.get_info().memory_plan
+        futures = _train(tc, 2)
+        first = [f.result(180).loss for f in futures[0::2]]
+        victim = cluster.workers[1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        futures = _train(tc, STEPS - 2)
+        rest = [f.result(180).loss for f in futures[0::2]]
+        steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
+        assert steps == list(range(3, STEPS + 1))
+        assert first + rest == pytest.approx(losses, rel=1e-5)
+        _assert_same_weights(_weights(svc, tc), weights)
+        states = sorted(w.state for w in svc.cluster_status().workers)
+        assert states == ["active", "active", "dead", "joining"], states
