@@ -130,8 +130,9 @@ def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_di
         assert logprobs == pytest.approx(samples[1], abs=1e-4)
 
 
-def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, memory_limit):
-    """Only config.json is read: the refusal comes before any worker loads anything."""
+def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, model_dir, memory_limit):
+    """Only config.json is read: the refusal comes before any worker loads anything. A model that would need the
+    pool split another way while other runs live there is refused too: their adapters are never lost to it."""
     huge = tmp_path / "huge"
     huge.mkdir()
     (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -145,6 +146,11 @@ def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, memory_limit
         message = str(caught.value)
         assert f"model {huge} needs ~" in message and "even with TP=2 and activation checkpointing" in message
         assert "TP=3 needs 3 workers, the pool has 2" in message
+        small = svc.create_lora_training_client("bios/tiny-llama", rank=RANK, seed=SEED)
+        before = small.forward(BATCH).result(120).loss
+        with pytest.raises(BadRequestError, match="re-splitting live runs is not supported"):
+            svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        assert small.forward(BATCH).result(120).loss == before
 
 
 def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(model_dir, memory_limit, reference):

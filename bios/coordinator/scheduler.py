@@ -392,6 +392,15 @@ class Scheduler(Actor):
                 raise BadRequestError(
                     f"{base_model} needs {plan.name} but the pool already splits its models over {self.tp} "
                     f"workers and {other} cannot be split over {tp}: {problem}", field="base_model")
+        held = sum(1 for run in self.runs.values() if run.status == "ready")
+        if tp != self.tp and held:
+            # Live adapters are split the pool's current way; re-splitting them is not implemented, and
+            # another user's run must never be lost to this one's plan.
+            raise BadRequestError(
+                f"{base_model} needs {plan.name}, which would split every base model of the pool over {tp} "
+                f"workers, but the pool holds {held} live run(s) split over {self.tp}; re-splitting live runs "
+                f"is not supported: create this run when they are done, or serve {base_model} from another "
+                f"cluster", field="base_model")
         self.plans[base_model] = plan
         self.plan_notes[base_model] = plan.describe()
         if tp != self.tp:
