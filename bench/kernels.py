@@ -14,8 +14,6 @@ absolute times on shared CPUs are noise, ratios are the result.
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bios.kernels import linear_cross_entropy, lora_linear, rms_norm, swiglu  # noqa: E402
 from bios.kernels.cross_entropy import default_chunk_size  # noqa: E402
+from machine import describe_machine  # noqa: E402
+from peak_memory import MIB, PeakMemory  # noqa: E402
 
-MIB = 1 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -57,32 +56,6 @@ class Measurement:
 
 
 # ------------------------------------------------------------------------------------------- one config
-
-
-class PeakMemory:
-    """Peak memory above the current level, for the device the benchmark runs on."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            self.base = _proc_status_kib("VmRSS")
-
-    def extra_mib(self) -> float:
-        if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated() - self.base) / MIB
-        return (_proc_status_kib("VmHWM") - self.base) / 1024
-
-
-def _proc_status_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} missing from /proc/self/status: peak RSS needs Linux")
 
 
 def _sync(device: torch.device) -> None:
@@ -340,20 +313,6 @@ def run_group(group: Group) -> dict[str, Measurement]:
     return {impl: Measurement(times.get(impl, m.time_s), m.peak_extra_mib, m.saved_mib) for impl, m in memory.items()}
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return (
-        f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"device {device}, python {platform.python_version()}"
-    )
-
-
 def _ratio(value: float | None, reference: float | None) -> str:
     if value is None or not reference:
         return "-"
@@ -397,7 +356,7 @@ def main() -> None:
     if args.timing:
         print(json.dumps(measure_times(Group(**json.loads(args.timing)["group"]))))
         return
-    print(machine())
+    print(describe_machine())
     print("time: median fwd+bwd (adamw: one optimizer step); peak extra: RSS high-water mark above the inputs")
     for group in groups(args.quick, set(args.only.split(","))):
         print_group(group, run_group(group))

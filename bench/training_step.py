@@ -1,18 +1,20 @@
 """One whole LoRA training step: Bios's engine with `bios.kernels` against stock Transformers + PEFT.
 
     python bench/training_step.py [--model smollm2] [--batch 4] [--seq 128] [--rank 16] [--rounds 7]
-                                  [--memory-runs 3] [--configs peft,bios-stock,bios,bios-bf16]
+                                  [--memory-runs 3] [--configs peft,bios-stock,bios-fp32,bios]
 
 A step is forward, backward of the summed next-token cross-entropy and one AdamW update, on `batch` random
 sequences of `seq` tokens, LoRA of rank `rank` on every linear layer including the output head. Configurations:
 
 - `peft` (the reference): `peft.get_peft_model` on the Transformers model, `model(input_ids, labels=...).loss`,
   `loss.backward()`, `torch.optim.AdamW(foreach=True)` (dropout 0, no KV cache);
-- `bios-stock`: Bios's engine (`forward_backward`, `commit_gradients`, `optim_step`) with `BIOS_KERNELS=0`;
-- `bios`: the same with `bios.kernels` (the worker's default);
-- `bios-bf16`: `bios` with `BIOS_BASE_DTYPE=bfloat16` (frozen base weights and activations in bf16; LoRA
-  factors, gradients and optimizer state fp32); `peft-bf16`: the model loaded in bf16 (PEFT keeps its adapter
-  in fp32 too, `autocast_adapter_dtype`).
+- `bios-stock`: Bios's engine (`forward_backward`, `commit_gradients`, `optim_step`) with `BIOS_KERNELS=0`
+  and `BIOS_BASE_DTYPE=float32`;
+- `bios-fp32`: the same with `bios.kernels`;
+- `bios`: the worker's defaults: `bios.kernels`, `BIOS_BASE_DTYPE` unset, so the frozen base weights (and
+  activations) are bf16 where the hardware multiplies bf16 natively and fp32 elsewhere (printed in the
+  header); LoRA factors, gradients and optimizer state are fp32 either way;
+- `peft-bf16`: the model loaded in bf16 (PEFT keeps its adapter in fp32 too, `autocast_adapter_dtype`).
 
 Peak memory: each configuration runs three steps in a fresh subprocess, `--memory-runs` times (median); peak
 extra = RSS high-water mark (reset through `/proc/self/clear_refs`) above the RSS once the base model (its
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,11 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bios import types  # noqa: E402
 from bios.models import load_base_model, resolve_model_dir  # noqa: E402
 from bios.worker.adapter import LORA_ALPHA, AdapterState, lora_targets  # noqa: E402
+from bios.worker.compute_mode import base_dtype  # noqa: E402
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step  # noqa: E402
 from bios.worker.lora import attach_lora  # noqa: E402
+from machine import describe_machine  # noqa: E402
+from peak_memory import PeakMemory  # noqa: E402
+from training_throughput import make_batch  # noqa: E402
 
-MIB = 1 << 20
-CONFIGS = ("peft", "bios-stock", "bios", "bios-bf16", "peft-bf16")
+CONFIGS = ("peft", "bios-stock", "bios-fp32", "bios", "peft-bf16")
 TARGETS = {"bios": {"tokens/s": 1.25, "memory": 0.6}}  # tokens/s at least, memory at most, x peft
 ADAM = types.AdamParams(learning_rate=1e-4)
 
@@ -55,51 +59,17 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class PeakMemory:
-    """Peak memory above the current level, for the device the benchmark runs on."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            self.base = _proc_status_kib("VmRSS") * 1024
-
-    def extra_mib(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - self.base) / MIB
-        return (_proc_status_kib("VmHWM") * 1024 - self.base) / MIB
-
-
-def _proc_status_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{key} missing from /proc/self/status: peak RSS needs Linux")
-
-
-def _batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
-    generator = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(batch):
-        tokens = torch.randint(0, vocab, (seq + 1,), generator=generator).tolist()
-        data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]),
-                                {"target_tokens": tokens[1:], "weights": [1.0] * seq}))
-    return data
-
-
 def _load(config: str, args: argparse.Namespace):
     """The base model as each side runs it: PEFT loads in the dtype; Bios loads as its workers do (float32,
-    then `attach_lora` applies `BIOS_BASE_DTYPE`)."""
-    bf16 = config.endswith("-bf16")
+    then `attach_lora` applies `BIOS_BASE_DTYPE`, or its hardware-dependent default for `bios`)."""
     if config.startswith("peft"):
-        return load_base_model(args.model, device=_device(), dtype=torch.bfloat16 if bf16 else torch.float32)
+        dtype = torch.bfloat16 if config.endswith("-bf16") else torch.float32
+        return load_base_model(args.model, device=_device(), dtype=dtype)
     loaded = load_base_model(args.model, device=_device())
-    os.environ["BIOS_BASE_DTYPE"] = "bfloat16" if bf16 else "float32"
+    if config == "bios":
+        os.environ.pop("BIOS_BASE_DTYPE", None)
+    else:
+        os.environ["BIOS_BASE_DTYPE"] = "float32"
     attach_lora(loaded.model)
     return loaded
 
@@ -148,7 +118,7 @@ def _sync() -> None:
 def measure_memory(config: str, args: argparse.Namespace) -> dict:
     """Peak extra memory of `config` over three steps (the first allocates the optimizer state)."""
     loaded = _load(config, args)
-    data = _batch(loaded.info.vocab_size, args.batch, args.seq)
+    data = make_batch(loaded.info.vocab_size, args.batch, args.seq)
     with torch.no_grad():  # page in weights still mapped from the safetensors file, so they are not counted
         for param in loaded.model.parameters():
             param.sum()
@@ -164,7 +134,8 @@ def measure_times(configs: list[str], args: argparse.Namespace) -> dict[str, lis
     steps = {}
     for config in configs:
         loaded = _load(config, args)
-        steps[config] = _step_fn(config, loaded, _batch(loaded.info.vocab_size, args.batch, args.seq), args.rank)
+        data = make_batch(loaded.info.vocab_size, args.batch, args.seq)
+        steps[config] = _step_fn(config, loaded, data, args.rank)
         steps[config]()  # warm-up
     times: dict[str, list[float]] = {config: [] for config in configs}
     for _ in range(args.rounds):
@@ -186,21 +157,15 @@ def _subprocess(flag: str, payload: object, args: argparse.Namespace) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        lines = cpuinfo.read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-        flags = next((line for line in lines if line.startswith("flags")), "")
-        cpu += " (avx512_bf16)" if "avx512_bf16" in flags else ""
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"machine: {cpu}, {os.cpu_count()} cores, load average {load}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), device {device}, python {platform.python_version()}"
-    )
+def default_base_dtype() -> str:
+    """The frozen-base dtype the `bios` configuration gets here, and why."""
+    saved = os.environ.pop("BIOS_BASE_DTYPE", None)
+    try:
+        choice = base_dtype(_device())
+    finally:
+        if saved is not None:
+            os.environ["BIOS_BASE_DTYPE"] = saved
+    return f"{str(choice.dtype or torch.float32).removeprefix('torch.')} ({choice.reason})"
 
 
 def main() -> None:
@@ -227,9 +192,10 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
     resolve_model_dir(args.model)  # pull or write the model once, outside the measurements
-    print(machine())
+    print(describe_machine())
     print(f"model {args.model}, batch {args.batch}x{args.seq}, LoRA rank {args.rank} on every linear layer and "
-          f"the head; {args.rounds} interleaved timed steps per configuration, medians", flush=True)
+          f"the head; {args.rounds} interleaved timed steps per configuration, medians")
+    print(f"`bios` (the worker's default) stores the frozen base in {default_base_dtype()}", flush=True)
     memory = {
         config: statistics.median(
             _subprocess("--memory", config, args)["peak_extra_mib"] for _ in range(args.memory_runs)
@@ -251,7 +217,7 @@ def main() -> None:
         spread = f"({min(steps[config]):.2f}-{max(steps[config]):.2f})"
         print(f"{config:<11} {times[config]:>10.2f}s {spread:>13} {tokens / times[config]:>9.0f} "
               f"{ratios['tokens/s']:>7.2f}x {memory[config]:>7.0f} MiB {ratios['memory']:>7.2f}x  {', '.join(verdicts)}")
-    print(f"\n(after the run) {machine()}")
+    print(f"\n(after the run) {describe_machine()}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ on (the default) both run `bios.kernels` ops, with it off the same arithmetic th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
 
 _ATTACHED_FLAG = "_bios_lora_modules"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,10 @@ def attach_lora(model: nn.Module) -> None:
     The layer's class is switched in place rather than the layer being wrapped, so parameter names (and
     therefore the base state dict and PEFT key names), tied weights and hooks are all unchanged. The model is
     put in eval mode: a frozen shared base has no use for dropout, and eval keeps forward passes deterministic.
-    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`). With
-    `BIOS_BASE_DTYPE` set, the frozen floating-point parameters are stored in that dtype (buffers such as RoPE
-    frequencies keep theirs; tied weights stay tied, being one parameter).
+    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`). The
+    frozen floating-point parameters are stored in the dtype `base_dtype` picks for the model's device (bf16
+    where the hardware multiplies it natively, unless `BIOS_BASE_DTYPE` says otherwise) and logged; buffers
+    such as RoPE frequencies keep theirs and tied weights stay tied (being one parameter).
     """
     if hasattr(model, _ATTACHED_FLAG):
         return
@@ -137,11 +141,14 @@ def attach_lora(model: nn.Module) -> None:
         module.lora_segments = []
         wrapped[target.module_name] = module
     fuse_llama_modules(model)
-    dtype = base_dtype()
-    if dtype is not None:
+    weights = model.get_input_embeddings().weight
+    choice = base_dtype(weights.device)
+    if choice.dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():
-                param.data = param.data.to(dtype)
+                param.data = param.data.to(choice.dtype)
+    log.info("%s: frozen base weights in %s (%s)", model.config.name_or_path or type(model).__name__,
+             str(weights.dtype).removeprefix("torch."), choice.reason)
     model.requires_grad_(False)
     model.eval()
     setattr(model, _ATTACHED_FLAG, wrapped)
