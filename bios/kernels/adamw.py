@@ -33,11 +33,14 @@ def adamw_step(
     eps: float,
     weight_decay: float,
     grad_clip_norm: float,
+    grad_norm: float | None = None,
 ) -> float:
     """Update `params`, `exp_avg` and `exp_avg_sq` in place; return the gradient's L2 norm before clipping.
 
     `step` is the 1-based count of this update (already incremented). When `grad_clip_norm > 0` the gradient
     is scaled in place by `min(grad_clip_norm / (norm + 1e-6), 1)` first, exactly like `clip_grad_norm_`.
+    `grad_norm` is the norm to clip by when these tensors are only part of the gradient (a tensor-parallel
+    shard: the caller took the whole gradient's norm across the group); by default it is theirs.
     """
     if step < 1:
         raise ValueError(f"adamw_step needs the 1-based step count after increment, got step={step}")
@@ -51,8 +54,10 @@ def adamw_step(
     if not params_l:
         return 0.0
 
-    norms = torch._foreach_norm(grads_l, 2)
-    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+    if grad_norm is None:
+        total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_l, 2)), 2)
+    else:
+        total_norm = torch.tensor(grad_norm, dtype=grads_l[0].dtype, device=grads_l[0].device)
     if grad_clip_norm > 0:
         clip_coef = torch.clamp(grad_clip_norm / (total_norm + _CLIP_NORM_EPS), max=1.0)
         torch._foreach_mul_(grads_l, clip_coef)

@@ -207,8 +207,9 @@ def discard_gradients(adapter: AdapterState) -> None:
     adapter.pending_grad.zero_()
 
 
-def optim_step(adapter: AdapterState, params: AdamParams) -> OptimStepResponse:
-    """One AdamW step on the committed gradient, which is then cleared for the next step."""
+def optim_step(adapter: AdapterState, params: AdamParams, *, grad_norm: float | None = None) -> OptimStepResponse:
+    """One AdamW step on the committed gradient, which is then cleared for the next step. `grad_norm`: the whole
+    gradient's norm when this adapter holds only a tensor-parallel shard of it."""
     adapter.step += 1
     grad_norm = adamw_step(
         adapter.params,
@@ -222,6 +223,7 @@ def optim_step(adapter: AdapterState, params: AdamParams) -> OptimStepResponse:
         eps=params.eps,
         weight_decay=params.weight_decay,
         grad_clip_norm=params.grad_clip_norm,
+        grad_norm=grad_norm,
     )
     adapter.grad.zero_()
     return OptimStepResponse(

@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from bios.kernels.adamw import adamw_step
 from bios.messages import CheckpointState
 from bios.types import AdamParams, LoraConfig, OptimStepResponse
 from bios.worker.adapter import AdapterState, LoraTarget, init_lora_weights, lora_targets, validate_lora_config
 from bios.worker.checkpoint import load_into, restore_adapter
+from bios.worker.engine import optim_step
 from bios.worker.lora import LoraLinear, attach_lora
 from bios.models.memory_plan import ModelShape
 
@@ -66,7 +66,6 @@ _SHARD_FLAG = "_bios_tensor_parallel"
 _GROUP_FLAG = "_bios_tensor_parallel_group"
 _PEFT_PREFIX = "base_model.model."
 _PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-_CLIP_NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_ and bios.kernels.adamw
 
 
 @dataclass(frozen=True)
@@ -434,27 +433,7 @@ def sharded_optim_step(
     `grad_norm`, when the caller already has that norm (taken when the gradient was committed), skips it.
     """
     norm = sharded_grad_norm(adapter, info, group) if grad_norm is None else grad_norm
-    adapter.step += 1
-    if params.grad_clip_norm > 0:
-        total = torch.tensor(norm, dtype=adapter.grad.dtype, device=adapter.grad.device)
-        adapter.grad.mul_(torch.clamp(params.grad_clip_norm / (total + _CLIP_NORM_EPS), max=1.0))
-    adamw_step(
-        adapter.params,
-        adapter.grad,
-        adapter.exp_avg,
-        adapter.exp_avg_sq,
-        step=adapter.step,
-        lr=params.learning_rate,
-        beta1=params.beta1,
-        beta2=params.beta2,
-        eps=params.eps,
-        weight_decay=params.weight_decay,
-        grad_clip_norm=0.0,
-    )
-    adapter.grad.zero_()
-    return OptimStepResponse(
-        metrics={"learning_rate:mean": params.learning_rate, "grad_norm:mean": norm, "step:max": adapter.step}
-    )
+    return optim_step(adapter, params, grad_norm=norm)
 
 
 def gather_full_adapter(
