@@ -286,6 +286,7 @@ class GetInfoResponse:
     lora_rank: int | None = None
     model_name: str | None = None
     memory_plan: str | None = None  # how the workers hold the base model (plan, layout, memory estimate)
+    base_dtype: str | None = None  # the frozen base weights' dtype on the workers ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -353,3 +354,4 @@ class BaseModelInfo:
     num_layers: int
     num_parameters: int
     eos_token_id: int | None = None
+    base_dtype: str | None = None  # as the workers hold the frozen weights, once one has loaded them

@@ -48,6 +48,7 @@ def test_results_carry_conveniences(service):
     assert opt.result().grad_norm == pytest.approx(out.grad_norm, rel=1e-6)
     info = tc.get_info()
     assert info.model_id == tc.model_id and info.lora_rank == 8 and info.model_data.model_name == BASE
+    assert info.base_dtype == "float32"  # the suite pins BIOS_BASE_DTYPE=float32 (tests/conftest.py)
     assert tc.get_tokenizer().decode(list(b"hi")) == "hi"
 
 

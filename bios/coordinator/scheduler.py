@@ -590,4 +590,5 @@ class Scheduler(Actor):
             lora_rank=run.lora.rank,
             model_name=run.base_model,
             memory_plan=self.plan_notes.get(run.base_model),
+            base_dtype=info.base_dtype if info else None,
         )

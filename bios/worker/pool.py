@@ -7,10 +7,11 @@ model is held as its memory plan says (activation checkpointing, tokens per pass
 
 from __future__ import annotations
 
+
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -99,6 +100,8 @@ class ModelPool:
                 except UnknownModelError as exc:
                     raise BadRequestError(str(exc), field="base_model") from None
                 attach_lora(loaded.model)
+                weights = loaded.model.get_input_embeddings().weight
+                loaded.info = replace(loaded.info, base_dtype=str(weights.dtype).removeprefix("torch."))
                 if plan.activation_checkpointing:
                     enable_activation_checkpointing(loaded.model)
                 self.bases[name] = loaded
