@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -147,7 +146,7 @@ def probe(spec: dict[str, Any], rank: int, store: str | None) -> dict[str, Any]:
     from bios.worker.adapter import AdapterState
     from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
     from bios.worker.lora import attach_lora
-    from bios.worker.memory_plan import enable_activation_checkpointing
+    from bios.worker.memory_plan import enable_activation_checkpointing, peak_rss
     from bios.worker import tensor_parallel as tp
 
     torch.set_num_threads(1)
@@ -188,7 +187,7 @@ def probe(spec: dict[str, Any], rank: int, store: str | None) -> dict[str, Any]:
         times.append(time.perf_counter() - started)
     if world > 1:
         dist.destroy_process_group()
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": min(times[1:] or times)}
+    return {"peak": peak_rss(), "step_s": min(times[1:] or times)}
 
 
 @torch.no_grad()

@@ -9,7 +9,6 @@ RSS.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from typing import Any
@@ -25,8 +24,7 @@ from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
 from bios.worker.lora import attach_lora
 from bios.models.memory_plan import GiB, MiB, ModelShape, choose_plan, estimate, model_shape
-from bios.worker.daemon import runtime_footprint
-from bios.worker.memory_plan import enable_activation_checkpointing
+from bios.worker.memory_plan import enable_activation_checkpointing, peak_rss, runtime_footprint
 
 RANK = 16
 # A 50M-parameter Llama: big enough that weights, activations and logits all show in the RSS.
@@ -82,7 +80,7 @@ def measure_peak(spec: dict[str, Any]) -> dict[str, int]:
     forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])
     commit_gradients(adapter)
     optim_step(adapter, AdamParams(learning_rate=1e-4))
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "runtime": runtime}
+    return {"peak": peak_rss(), "runtime": runtime}
 
 
 def measured_peak(spec: dict[str, Any]) -> dict[str, int]:

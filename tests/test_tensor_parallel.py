@@ -119,8 +119,11 @@ def samples(model: LlamaForCausalLM, adapter: AdapterState) -> list[list[int]]:
 
 
 def run_workers(world: int, work: Callable[[int, int], dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
-    """Fork `world` workers that join one gloo group and each return `work(rank, world)`."""
-    context = multiprocessing.get_context("fork")
+    """Start `world` workers that join one gloo group and each return `work(rank, world)`.
+
+    Spawned, not forked: by the time this runs the test process has threads (embedded clusters' SDK loops,
+    ZeroMQ I/O threads), and a child forked from it can deadlock on a lock one of them held."""
+    context = multiprocessing.get_context("spawn")
     store = tmp_path / "store"
     workers = [context.Process(target=_worker_main, args=(rank, world, store, work, tmp_path)) for rank in range(world)]
     for worker in workers:

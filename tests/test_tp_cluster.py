@@ -175,3 +175,31 @@ def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(mode
         _assert_same_weights(_weights(svc, tc), weights)
         states = sorted(w.state for w in svc.cluster_status().workers)
         assert states == ["active", "active", "dead", "joining"], states
+
+
+def test_a_shard_no_survivor_holds_restores_from_the_automatic_checkpoint(model_dir, memory_limit, reference):
+    """TP=2 on exactly two workers: killing one leaves its shard on no survivor, so when a worker comes back the
+    run restores from its latest automatic checkpoint (one per step here) and goes on as if nothing happened."""
+    losses, weights, _ = reference
+    with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=memory_limit, checkpoint_every=1,
+                           heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        _wait_for_workers(svc, 2)
+        tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        first = [f.result(180).loss for f in _train(tc, 2)[0::2]]
+        rest_client = svc.create_rest_client()
+        deadline = time.monotonic() + 60  # it is written in step 2's cycle, just after the step's result is sent
+        while "auto-000002" not in [c.bios_path.rsplit("/", 1)[-1]
+                                    for c in rest_client.list_checkpoints(tc.model_id).result().checkpoints]:
+            assert time.monotonic() < deadline, "step 2's automatic checkpoint never appeared"
+            time.sleep(0.1)
+        victim = cluster.workers[1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        cluster.add_worker()
+        futures = _train(tc, STEPS - 2)
+        rest = [f.result(180).loss for f in futures[0::2]]
+        steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
+        assert steps == list(range(3, STEPS + 1))
+        assert first + rest == pytest.approx(losses, rel=1e-5)
+        _assert_same_weights(_weights(svc, tc), weights)
+        assert "restores from" in (cluster.state_dir / "coordinator.log").read_text()

@@ -74,8 +74,9 @@ def save_model_files(model: Any, out: Path, config: Any = None) -> None:
     """Write a causal LM as config, generation config and safetensors weights (`config` defaults to the model's).
 
     Not `save_pretrained`: in a process that belongs to a torch.distributed group with a rank other than 0 (a
-    worker in a generation of several) it silently writes no config and no weights. `save_model` keeps one copy
-    of tied tensors and `from_pretrained` re-ties them.
+    worker in a generation of several) it silently writes no config and no weights. Tied tensors are stored
+    once, under their first name in state-dict order (the input embedding, as `save_pretrained` does), so the
+    file is the same in every process; `from_pretrained` re-ties them.
     """
     import safetensors.torch
 
@@ -83,4 +84,10 @@ def save_model_files(model: Any, out: Path, config: Any = None) -> None:
     config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
-    safetensors.torch.save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if storage not in stored:
+            stored.add(storage)
+            tensors[name] = tensor.detach().contiguous()
+    safetensors.torch.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

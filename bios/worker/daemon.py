@@ -34,6 +34,7 @@ from bios.transport.sockets import Dealer, Security
 
 from .collectives import CollectiveGroup, advertised_host
 from .executor import CycleExecutor, CycleOutcome
+from .memory_plan import runtime_footprint
 from .pool import ModelPool
 
 log = logging.getLogger(__name__)
@@ -53,18 +54,6 @@ def device_memory(device: torch.device) -> int:
 
 
 @functools.cache
-def runtime_footprint(device: torch.device) -> int:
-    """What this process holds before any model, which memory plans count as fixed overhead: on CPU the RSS
-    once the Transformers model code is imported (the first model load would import it anyway), measured
-    once (a re-registration must not count the models loaded since); 0 on CUDA, whose budget is device
-    memory (the planner's CUDA default covers the context)."""
-    if device.type == "cuda":
-        return 0
-    import transformers.modeling_utils  # noqa: F401  (the bulk of what loading a model imports)
-
-    return int(psutil.Process().memory_info().rss)
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
     coordinator: str

@@ -1,10 +1,13 @@
-"""Activation checkpointing for the worker's models: the part of memory planning that needs a model.
+"""The parts of memory planning that need a worker: activation checkpointing of its models, and measuring it.
 
 The arithmetic (what a plan needs, which plan fits) is `bios.models.memory_plan`, which the coordinator uses.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psutil
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -50,3 +53,26 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
         layer.forward = checkpointed
         layer._bios_checkpointed = True
+
+
+def runtime_footprint(device: torch.device) -> int:
+    """What this process holds before any model, which memory plans count as fixed overhead: on CPU the RSS
+    once the Transformers model code is imported (the first model load would import it anyway), measured
+    once (a re-registration must not count the models loaded since); 0 on CUDA, whose budget is device
+    memory (the planner's CUDA default covers the context)."""
+    if device.type == "cuda":
+        return 0
+    import transformers.modeling_utils  # noqa: F401  (the bulk of what loading a model imports)
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss() -> int:
+    """The highest resident set size of this process since it started, in bytes (Linux).
+
+    Not `getrusage().ru_maxrss`: Linux carries that over from the parent through fork and exec, so a process
+    started by a big one reports the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no VmHWM line: peak RSS is only measured on Linux")
