@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU with gloo: a TP=2 (and TP=2 x DP=2) tiny Llama equals one unsharded worker.
 
-Workers are forked from the test process (the model code is already imported, so a worker starts in
-milliseconds) and meet through a FileStore in tmp_path. Each worker returns its results through a file; the
+Workers are spawned processes (a few seconds each to import torch) that meet through a FileStore in
+tmp_path. Each worker returns its results through a file; the
 single-worker reference runs in the test process itself.
 """
 
