@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 
+import numpy as np
 import pytest
 
 # Every process the tests start (coordinators, workers) writes built-in models into a private cache, removed at
@@ -41,6 +43,37 @@ def text_datum(text: str, weight: float = 1.0) -> types.Datum:
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [weight] * (len(tokens) - 1)},
     )
+
+
+def train_steps(tc, batch, params, steps):
+    """Futures of `steps` x (forward_backward, optim_step), submitted without waiting."""
+    futures = []
+    for _ in range(steps):
+        futures.append(tc.forward_backward(batch))
+        futures.append(tc.optim_step(params))
+    return futures
+
+
+def saved_adapter(service, tc):
+    """The run's adapter tensors, through save_state and the REST download."""
+    path = tc.save_state().result(120).path
+    return service.create_rest_client().download_checkpoint(path).result().adapter
+
+
+def assert_same_weights(a, b, tol=1e-5):
+    """Every weight within `tol`, absolute and relative (workers sharding a batch sum in another order)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=tol, atol=tol, err_msg=key)
+
+
+def wait_for_workers(service, n, states=("active",), timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(w.state in states for w in service.cluster_status().workers) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} workers came up")
 
 
 @pytest.fixture(scope="session")

@@ -6,46 +6,21 @@ import random
 import signal
 import time
 
-import numpy as np
 import pytest
-from conftest import BASE, text_datum
+from conftest import BASE, assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
 
 import bios
 from bios import types
 
 BATCH = [text_datum(f"Data parallel sentence number {i}, long enough to take a while to run.") for i in range(12)]
 # lr 1e-3: Adam turns fp32 reduction-order noise (shards of other sizes) into weight noise in proportion to
-# the learning rate; at 1e-3 it stays under 1e-6 while a step lost or run twice still moves weights by ~1e-3.
+# the learning rate; at 1e-2 one weight in a thousand drifted 1.4e-5, while a step lost or run twice moves
+# every weight by about lr.
 PARAMS = types.AdamParams(learning_rate=1e-3)
 
 
 def _train(tc, steps):
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(BATCH))
-        futures.append(tc.optim_step(PARAMS))
-    return futures
-
-
-def _weights(service, tc):
-    path = tc.save_state().result(120).path
-    return service.create_rest_client().download_checkpoint(path).result().adapter
-
-
-def _assert_same_weights(a, b, tol=1e-5):
-    """Every weight within 1e-5, absolute and relative (shards of other sizes sum gradients in another order)."""
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=tol, atol=tol, err_msg=key)
-
-
-def _wait_for_workers(service, n, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sum(w.state == "active" for w in service.cluster_status().workers) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} workers came up")
+    return train_steps(tc, BATCH, PARAMS, steps)
 
 
 def _wait_until_dead(service, pid, timeout=60.0):
@@ -64,14 +39,14 @@ def reference():
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         losses = [f.result(120).loss for f in _train(tc, 5)[0::2]]
         ten = [f.result(120).loss for f in _train(tc, 5)[0::2]]
-        return losses, losses + ten, _weights(svc, tc)
+        return losses, losses + ten, saved_adapter(svc, tc)
 
 
 @pytest.mark.e2e
 def test_two_workers_equal_one(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         got = [f.result(120).loss for f in _train(tc, 5)[0::2]]
         assert got == pytest.approx(losses, rel=1e-5)
@@ -84,7 +59,7 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
     rng = random.Random(7)
     with bios.LocalCluster(workers=2, worker_threads=1, heartbeat_timeout_s=3.0) as cluster, \
             bios.ServiceClient(address=cluster.address) as svc:
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         futures = []
         size = 2
@@ -92,7 +67,7 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
             if step == 5:
                 size = 3  # 2 workers, then 3
                 cluster.add_worker()
-            _wait_for_workers(svc, size)
+            wait_for_workers(svc, size)
             futures += _train(tc, 1)
             time.sleep(rng.uniform(0.0, 0.3))
             victim = rng.choice([w for w in cluster.workers if w.poll() is None])
@@ -107,7 +82,7 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference):
         steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
         assert steps == list(range(1, 11))  # every optim_step ran exactly once, in order
         assert got == pytest.approx(losses, rel=1e-5)
-        _assert_same_weights(_weights(svc, tc), weights)
+        assert_same_weights(saved_adapter(svc, tc), weights)
         assert svc.cluster_status().generation >= 20
 
 
@@ -117,7 +92,7 @@ def test_a_fresh_cache_with_two_workers_writes_complete_builtin_models(tmp_path)
     a directory without weights (save_pretrained writes nothing on a torch.distributed rank other than 0)."""
     with bios.LocalCluster(workers=2, worker_threads=1, env={"BIOS_CACHE_DIR": str(tmp_path)}) as cluster, \
             bios.ServiceClient(address=cluster.address) as svc:
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         assert tc.forward(BATCH[:2]).result(120).loss > 0
     written = {p.name for p in (tmp_path / "models" / "bios--tiny-llama").iterdir()}
@@ -131,7 +106,7 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1, heartbeat_timeout_s=2.0) as cluster, \
             bios.ServiceClient(address=cluster.address) as svc:
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         futures = _train(tc, 2)
         futures[-1].result(120)
@@ -146,7 +121,7 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
             futures[-1].result(120)  # the survivor trains alone meanwhile
         finally:
             frozen.send_signal(signal.SIGCONT)
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         futures += _train(tc, 2)
         assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
         workers = svc.cluster_status().workers
@@ -159,7 +134,7 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
 def test_graceful_leave_aborts_no_cycle(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
-        _wait_for_workers(svc, 2)
+        wait_for_workers(svc, 2)
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         futures = _train(tc, 2)
         cluster.workers[1].send_signal(signal.SIGTERM)

@@ -14,10 +14,9 @@ import shutil
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
-from conftest import text_datum
+from conftest import assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import bios
@@ -69,16 +68,7 @@ def memory_limit(model_dir) -> int:
 
 
 def _train(tc, steps):
-    futures = []
-    for _ in range(steps):
-        futures.append(tc.forward_backward(BATCH))
-        futures.append(tc.optim_step(PARAMS))
-    return futures
-
-
-def _weights(service, tc):
-    path = tc.save_state().result(120).path
-    return service.create_rest_client().download_checkpoint(path).result().adapter
+    return train_steps(tc, BATCH, PARAMS, steps)
 
 
 def _samples(tc):
@@ -88,19 +78,19 @@ def _samples(tc):
     return [seq.tokens for seq in sequences], [lp for seq in sequences for lp in seq.logprobs]
 
 
-def _assert_same_weights(a, b, tol=1e-5):
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_allclose(a[key], b[key], rtol=tol, atol=tol, err_msg=key)
+def _wait_for_workers(service, n):
+    wait_for_workers(service, n, states=("active", "joining"))
 
 
-def _wait_for_workers(service, n, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sum(w.state in ("active", "joining") for w in service.cluster_status().workers) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} workers came up")
+def _finish_like_one_worker(svc, tc, first_losses, reference):
+    """Steps 3.. after a failure: each runs once, and losses and weights equal the single worker's."""
+    losses, weights, _ = reference
+    futures = _train(tc, STEPS - 2)
+    rest = [f.result(180).loss for f in futures[0::2]]
+    steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
+    assert steps == list(range(3, STEPS + 1))
+    assert first_losses + rest == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(saved_adapter(svc, tc), weights)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +100,7 @@ def reference(model_dir):
         tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
         assert tc.get_info().memory_plan.startswith("replicate:")
         losses = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
-        return losses, _weights(svc, tc), _samples(tc)
+        return losses, saved_adapter(svc, tc), _samples(tc)
 
 
 def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_dir, memory_limit, reference):
@@ -124,7 +114,7 @@ def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_di
         assert svc.cluster_status().plans[str(model_dir)] == plan
         got = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
         assert got == pytest.approx(losses, rel=1e-5)
-        _assert_same_weights(_weights(svc, tc), weights)
+        assert_same_weights(saved_adapter(svc, tc), weights)
         tokens, logprobs = _samples(tc)
         assert tokens == samples[0]
         assert logprobs == pytest.approx(samples[1], abs=1e-4)
@@ -156,7 +146,6 @@ def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, model_dir, m
 def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(model_dir, memory_limit, reference):
     """Four constrained workers: 2 replicas x 2 shards. After two steps one of them is killed; the three
     survivors form one replica of two (both shards survive in some replica) and one stands by."""
-    losses, weights, _ = reference
     with bios.LocalCluster(workers=4, worker_threads=1, worker_memory_limit=memory_limit,
                            heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
         _wait_for_workers(svc, 4)
@@ -167,12 +156,7 @@ def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(mode
         victim = cluster.workers[1]
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        futures = _train(tc, STEPS - 2)
-        rest = [f.result(180).loss for f in futures[0::2]]
-        steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
-        assert steps == list(range(3, STEPS + 1))
-        assert first + rest == pytest.approx(losses, rel=1e-5)
-        _assert_same_weights(_weights(svc, tc), weights)
+        _finish_like_one_worker(svc, tc, first, reference)
         states = sorted(w.state for w in svc.cluster_status().workers)
         assert states == ["active", "active", "dead", "joining"], states
 
@@ -180,7 +164,6 @@ def test_tp2_by_dp2_equals_one_worker_and_survives_a_sigkilled_shard_holder(mode
 def test_a_shard_no_survivor_holds_restores_from_the_automatic_checkpoint(model_dir, memory_limit, reference):
     """TP=2 on exactly two workers: killing one leaves its shard on no survivor, so when a worker comes back the
     run restores from its latest automatic checkpoint (one per step here) and goes on as if nothing happened."""
-    losses, weights, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=memory_limit, checkpoint_every=1,
                            heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
         _wait_for_workers(svc, 2)
@@ -196,10 +179,5 @@ def test_a_shard_no_survivor_holds_restores_from_the_automatic_checkpoint(model_
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         cluster.add_worker()
-        futures = _train(tc, STEPS - 2)
-        rest = [f.result(180).loss for f in futures[0::2]]
-        steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
-        assert steps == list(range(3, STEPS + 1))
-        assert first + rest == pytest.approx(losses, rel=1e-5)
-        _assert_same_weights(_weights(svc, tc), weights)
+        _finish_like_one_worker(svc, tc, first, reference)
         assert "restores from" in (cluster.state_dir / "coordinator.log").read_text()
