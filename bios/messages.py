@@ -294,6 +294,7 @@ class RegisterWorker:
     store_host: str = "127.0.0.1"
     store_port: int = 0
     runtime_bytes: int = 0  # the worker process's own footprint before any model (measured; 0: unknown)
+    holdings: dict[str, float] = field(default_factory=dict)  # adapters it still holds (registering again): checksums
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,28 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
 
 
 @pytest.mark.e2e
+def test_the_only_worker_frozen_past_the_timeout_keeps_its_runs(reference):
+    """The only worker is declared dead while frozen (no checkpoint exists); when it wakes and registers again it
+    still holds every adapter exactly as last committed, so it is the source again and the run goes on."""
+    losses, _, _ = reference
+    with bios.LocalCluster(workers=1, worker_threads=1, heartbeat_timeout_s=2.0) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
+        futures = _train(tc, 2)
+        futures[-1].result(120)
+        worker = cluster.workers[0]
+        worker.send_signal(signal.SIGSTOP)
+        try:
+            _wait_until_dead(svc, worker.pid)
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        futures += _train(tc, 3)
+        assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
+        assert [f.result().metrics["step:max"] for f in futures[1::2]] == [1, 2, 3, 4, 5]
+        assert "registered again holding all 1 adapter(s)" in (cluster.state_dir / "coordinator.log").read_text()
+
+
+@pytest.mark.e2e
 def test_graceful_leave_aborts_no_cycle(reference):
     losses, _, _ = reference
     with bios.LocalCluster(workers=2, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:

@@ -86,6 +86,9 @@ class CycleRunner:
         self.generation = -1
         self.ranked: list[Member] = []
         self.holders: set[str] = set()
+        # Each adapter's checksum after the last cycle or generation that changed it (whole adapters only): a
+        # worker that rejoins holding exactly these can be the source when no holder survived.
+        self.committed: dict[str, float] = {}
         self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
         self.layout = PoolLayout(1, ())  # the tensor-parallel size and plans the current generation runs
         self._join_failures: dict[str, int] = {}
@@ -152,6 +155,11 @@ class CycleRunner:
         self.clock.cycle_ran(duration)
         self.metrics.cycle_ran(duration, aborted=cycle.aborted)
         self._check_replicas(cycle)
+        if cycle.aborted:  # an aborted cycle may have changed some replicas: its adapters are unknown until re-formed
+            for op in cycle.ops.values():
+                self.committed.pop(getattr(op, "model_id", ""), None)
+        elif self.ranked and self.layout.tp == 1:
+            self.committed.update(cycle.checksums.get(self.ranked[0].worker_id, {}))
         self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again", cycle.cycle_id,
@@ -273,6 +281,8 @@ class CycleRunner:
     async def _form(self, members: list[Member], layout: PoolLayout) -> bool:
         generation = self.membership.generation
         adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters())
+        if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
+            self._adopt_rejoined(members, adapters)
         ranked, source_tp = self._rank(members, layout.tp)
         restore: dict[str, m.CheckpointState] = {}
         if adapters and source_tp is None:
@@ -299,9 +309,23 @@ class CycleRunner:
         self.generation, self.ranked, self.layout = generation, ranked, layout
         self.holders = {mb.worker_id for mb in ranked}
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
+        self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
         self._join_failures.clear()
         log.info("generation %d formed: %s", generation, ", ".join(mb.worker_id for mb in ranked))
         return True
+
+    def _adopt_rejoined(self, members: list[Member], adapters: list[m.AdapterSpec]) -> None:
+        """No survivor holds the state, but a worker that was declared dead while alive and registered again
+        may: if it holds every adapter exactly as last committed, it is the source instead of a checkpoint."""
+        wanted = {spec.model_id: self.committed.get(spec.model_id) for spec in adapters}
+        if None in wanted.values():
+            return
+        for member in members:
+            if all(member.holdings.get(model_id) == checksum for model_id, checksum in wanted.items()):
+                log.warning("no holder of the runs' state survived, but %s registered again holding all %d "
+                            "adapter(s) as last committed: it is the source", member.worker_id, len(wanted))
+                self.holders = {member.worker_id}
+                return
 
     def _rank(self, members: list[Member], tp: int) -> tuple[list[Member], int | None]:
         """The members of the next generation in rank order, and how the state reaches them: the `source_tp`

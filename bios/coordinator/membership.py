@@ -31,6 +31,7 @@ class Member:
     state: str = "ready"  # ready | leaving | dead
     sampler_paths: set[str] = field(default_factory=set)  # sampler checkpoints this worker holds in memory
     runtime_bytes: int = 0  # the worker's own footprint before any model (memory plans count it as overhead)
+    holdings: dict[str, float] = field(default_factory=dict)  # adapter checksums it held when it registered
 
 
 class Membership:
@@ -42,7 +43,8 @@ class Membership:
 
     def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
         member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models),
-                        msg.store_host, msg.store_port, runtime_bytes=msg.runtime_bytes)
+                        msg.store_host, msg.store_port, runtime_bytes=msg.runtime_bytes,
+                        holdings=dict(msg.holdings))
         self.members[msg.worker_id] = member
         self.bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
         return member

@@ -7,7 +7,6 @@ cycles to it), so heartbeats keep flowing while a long cycle runs.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -53,7 +52,11 @@ def device_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().total)
 
 
-@functools.cache
+@dataclass(frozen=True)
+class HeldAdapters:
+    """Ask the trainer for the checksums of the adapters it holds."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     coordinator: str
@@ -74,8 +77,10 @@ class Trainer(Actor):
         self.send = send
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
-    async def receive(self, message: Any) -> None:
+    async def receive(self, message: Any) -> Any:
         loop = asyncio.get_running_loop()
+        if isinstance(message, HeldAdapters):  # after any queued cycle, so it reports what they left
+            return await loop.run_in_executor(self.thread, self.executor.held_checksums)
         if isinstance(message, m.Reconfigure):
             try:
                 checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
@@ -149,6 +154,7 @@ class WorkerDaemon:
 
     async def _register(self, address: str) -> asyncio.Task[None]:
         """Connect under the current worker id, register, and start heartbeats (the returned task)."""
+        holdings = await self.trainer.ask(HeldAdapters())
         dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode(), security=self.security)
         watch = HandshakeWatch(dealer.sock)
         dealer.connect(address)
@@ -165,6 +171,7 @@ class WorkerDaemon:
                 store_host=self.group.host,
                 store_port=self.group.store_port,
                 runtime_bytes=runtime_footprint(self.config.device),
+                holdings=holdings,
             ),
             timeout=self.config.discover_timeout_s,
         )

@@ -248,6 +248,13 @@ class CycleExecutor:
             state.step = int(step.item())
         return {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
 
+    def held_checksums(self) -> dict[str, float]:
+        """Checksums of the whole adapters this worker holds (none while it holds shards), for registering
+        again: the coordinator may take them as the current state if no other holder survived."""
+        if self.group.tp != 1:
+            return {}
+        return {model_id: adapter.state.checksum() for model_id, adapter in self.pool.adapters.items()}
+
     def _checksum_key(self, model_id: str) -> str:
         """Replicas of the same shard must agree; different shards of one adapter differ by nature."""
         return model_id if self.group.tp == 1 else f"{model_id}/shard{self.group.tp_rank}"

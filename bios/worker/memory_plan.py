@@ -5,6 +5,7 @@ The arithmetic (what a plan needs, which plan fits) is `bios.models.memory_plan`
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import psutil
@@ -55,6 +56,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         layer._bios_checkpointed = True
 
 
+@functools.cache
 def runtime_footprint(device: torch.device) -> int:
     """What this process holds before any model, which memory plans count as fixed overhead: on CPU the RSS
     once the Transformers model code is imported (the first model load would import it anyway), measured
