@@ -113,10 +113,7 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
         frozen = cluster.workers[1]
         frozen.send_signal(signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 60
-            while not any(w.state == "dead" for w in svc.cluster_status().workers):
-                assert time.monotonic() < deadline, "the frozen worker was never declared dead"
-                time.sleep(0.1)
+            _wait_until_dead(svc, frozen.pid)
             futures += _train(tc, 1)
             futures[-1].result(120)  # the survivor trains alone meanwhile
         finally:
