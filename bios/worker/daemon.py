@@ -11,9 +11,9 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -142,8 +142,8 @@ class WorkerDaemon:
             remote, self.remote = self.remote, None
             assert remote is not None
             await remote.close()
-            # A new identity: the coordinator treats it as a newcomer, so whatever state this worker still
-            # holds is replaced by the current one when it joins the next generation, never the reverse.
+            # A new identity: the coordinator treats it as a newcomer whose state is replaced by the current one,
+            # unless no holder survived and this worker's checksums equal the last committed ones.
             rejoins += 1
             self.worker_id = f"{self.base_id}-rejoin{rejoins}"
             self.rejoin_requested.clear()
