@@ -45,6 +45,16 @@ def text_datum(text: str, weight: float = 1.0) -> types.Datum:
     )
 
 
+def random_llama(vocab: int):
+    """A seeded random 2-layer Llama (4 query heads, 2 key/value heads) in eval mode: small enough for exact tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
 def train_steps(tc, batch, params, steps):
     """Futures of `steps` x (forward_backward, optim_step), submitted without waiting."""
     futures = []

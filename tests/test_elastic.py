@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 from conftest import BASE, assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
@@ -30,6 +31,18 @@ def _wait_until_dead(service, pid, timeout=60.0):
             return
         time.sleep(0.1)
     raise AssertionError(f"the coordinator never noticed that worker pid {pid} died")
+
+
+@contextmanager
+def _frozen_until_declared_dead(service, worker):
+    """SIGSTOP `worker` (a starved or swapping machine) until the coordinator declares it dead; the body runs
+    while it is still frozen, and it wakes on the way out."""
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        _wait_until_dead(service, worker.pid)
+        yield
+    finally:
+        worker.send_signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +124,9 @@ def test_a_worker_declared_dead_while_alive_registers_again(reference):
         futures = _train(tc, 2)
         futures[-1].result(120)
         frozen = cluster.workers[1]
-        frozen.send_signal(signal.SIGSTOP)
-        try:
-            _wait_until_dead(svc, frozen.pid)
+        with _frozen_until_declared_dead(svc, frozen):
             futures += _train(tc, 1)
             futures[-1].result(120)  # the survivor trains alone meanwhile
-        finally:
-            frozen.send_signal(signal.SIGCONT)
         wait_for_workers(svc, 2)
         futures += _train(tc, 2)
         assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
@@ -137,12 +146,8 @@ def test_the_only_worker_frozen_past_the_timeout_keeps_its_runs(reference):
         tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
         futures = _train(tc, 2)
         futures[-1].result(120)
-        worker = cluster.workers[0]
-        worker.send_signal(signal.SIGSTOP)
-        try:
-            _wait_until_dead(svc, worker.pid)
-        finally:
-            worker.send_signal(signal.SIGCONT)
+        with _frozen_until_declared_dead(svc, cluster.workers[0]):
+            pass
         futures += _train(tc, 3)
         assert [f.result(120).loss for f in futures[0::2]] == pytest.approx(losses, rel=1e-5)
         assert [f.result().metrics["step:max"] for f in futures[1::2]] == [1, 2, 3, 4, 5]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import random_llama
+from transformers import LlamaForCausalLM
 
 from bios.exceptions import BadRequestError
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput
@@ -21,17 +22,7 @@ ADAM = AdamParams(learning_rate=1e-2, beta1=0.85, beta2=0.98, weight_decay=0.05,
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+    return random_llama(VOCAB)
 
 
 def make_batch(seed: int, lengths: list[int]) -> list[Datum]:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import random_llama
+from transformers import LlamaForCausalLM
 
 from bios.models import load_base_model, resolve_model_dir
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
@@ -55,17 +56,7 @@ WORKER_TIMEOUT_S = 120
 
 def tiny_llama() -> LlamaForCausalLM:
     """4 query heads and 2 key/value heads: TP=2 keeps one GQA group (2 q heads, 1 kv head) per worker."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = random_llama(VOCAB)
     attach_lora(model)
     return model
 
