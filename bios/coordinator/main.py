@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import zmq
+
 from bios.actors import loop as event_loop
+from bios.cli_format import HelpFormatter
 from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError
 
@@ -19,22 +25,32 @@ from .metrics import JsonLogFormatter, serve_metrics
 from .server import Coordinator, CoordinatorConfig
 
 
+log = logging.getLogger(__name__)
+
+
+class PortInUseError(RuntimeError):
+    """An address this coordinator should listen on is taken; the message names the option to change."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bios-coordinator", description="Run the Bios coordinator daemon.")
+    p = argparse.ArgumentParser(prog="bios-coordinator", description="Run the Bios coordinator daemon.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--listen", default="tcp://127.0.0.1:7600", help="client address (port 0 picks a free one)")
-    p.add_argument("--worker-port", type=int, default=None, help="worker port (default: client port + 1)")
-    p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")))
+    p.add_argument("--worker-port", type=int, default=None, help="worker port (default: the client port + 1)")
+    p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")),
+                   help="SQLite store, keys and checkpoints ($BIOS_STATE_DIR)")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="automatic checkpoint of each run every N optimizer steps (0 = off)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="automatic checkpoints kept per run")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one)")
+                   help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one; default: off)")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; default: off)")
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
-    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"),
+                   help="DEBUG logs every request ($BIOS_LOG_LEVEL)")
     p.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("BIOS_LOG_FORMAT", "text"),
                    help="json: one object per line, with run_id/request_id fields where a line has them")
     return p.parse_args(argv)
@@ -52,23 +68,41 @@ async def run(args: argparse.Namespace) -> None:
         quotas=Quotas.from_env(),
     )
     coordinator = Coordinator(config)
-    addresses = await coordinator.start()
-    gateway = None
-    if args.http:
-        # The process entry point composes the layers: the gateway sits above the coordinator.
-        from bios.gateway.server import start_gateway
+    with _binding("--listen", args.listen):
+        addresses = await coordinator.start()
+    log.info("cycle length %gs (--cycle-s): %s", args.cycle_s,
+             "cycles run back to back" if args.cycle_s == 0 else
+             "a request accepted between two ticks waits for the next one; --cycle-s 0 runs cycles back to back")
+    gateway = metrics = None
+    try:
+        if args.http:
+            # The process entry point composes the layers: the gateway sits above the coordinator.
+            from bios.gateway.server import start_gateway
 
-        gateway = await start_gateway(coordinator, args.http)
-    metrics = None
-    if args.metrics:
-        metrics = await serve_metrics(coordinator.metrics, args.metrics, coordinator.refresh_metrics)
-    if args.ready_file is not None:
-        ready = {"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid(),
-                 "http": gateway.url if gateway is not None else None,
-                 "metrics": metrics.url if metrics is not None else None}
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ready))
-        tmp.replace(args.ready_file)
+            with _binding("--http", args.http):
+                gateway = await start_gateway(coordinator, args.http)
+        if args.metrics:
+            with _binding("--metrics", args.metrics):
+                metrics = await serve_metrics(coordinator.metrics, args.metrics, coordinator.refresh_metrics)
+        if args.ready_file is not None:
+            ready = {"clients": addresses.clients, "workers": addresses.workers, "pid": os.getpid(),
+                     "http": gateway.url if gateway is not None else None,
+                     "metrics": metrics.url if metrics is not None else None}
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(ready))
+            tmp.replace(args.ready_file)
+        await _serve(coordinator)
+    finally:
+        log.info("coordinator stopping")
+        if gateway is not None:
+            await gateway.stop()
+        if metrics is not None:
+            await metrics.stop()
+        await coordinator.stop()
+
+
+async def _serve(coordinator: Coordinator) -> None:
+    """Until SIGTERM/SIGINT, or until the coordinator fails (then raise its error)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,14 +110,22 @@ async def run(args: argparse.Namespace) -> None:
     serving = loop.create_task(coordinator.wait())
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    logging.getLogger(__name__).info("coordinator stopping")
-    if gateway is not None:
-        await gateway.stop()
-    if metrics is not None:
-        await metrics.stop()
-    await coordinator.stop()
+    stopping.cancel()
     if serving.done() and not serving.cancelled() and serving.exception() is not None:
         raise serving.exception()  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _binding(option: str, address: str) -> Iterator[None]:
+    """Turn "address already in use" (ZeroMQ's or asyncio's) into one line naming the option to change."""
+    try:
+        yield
+    except (OSError, zmq.ZMQError) as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUseError(f"cannot listen on {address} ({option}): the port is in use, by another Bios "
+                             f"cluster or another program; choose a free one with {option}, or stop the other "
+                             "(bios down)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     try:
         event_loop.run(run(args))
-    except InsecureListenError as exc:
-        logging.getLogger(__name__).error("%s", exc)
+    except (InsecureListenError, PortInUseError) as exc:
+        log.error("%s", exc)
         return 2
     return 0
 

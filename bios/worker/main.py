@@ -1,4 +1,7 @@
-"""`bios-worker`: join a coordinator and run its cycles until told to stop (SIGTERM = leave gracefully)."""
+"""`bios-worker`: join a coordinator and run its cycles until told to stop (SIGTERM = leave gracefully).
+
+torch and the daemon are imported only once a worker really starts, so `--help` and argument errors are instant.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +13,27 @@ import signal
 import subprocess
 import sys
 
-import torch
-
-from bios.actors import loop as event_loop
-from bios.exceptions import AuthenticationError
-
-from .daemon import WorkerConfig, WorkerDaemon, default_device
+from bios.cli_format import HelpFormatter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bios-worker", description="Run a Bios worker (one per GPU, or one per CPU host).")
+    p = argparse.ArgumentParser(prog="bios-worker", description="Run a Bios worker (one per GPU, or one per CPU host).",
+                                formatter_class=HelpFormatter)
     p.add_argument("--coordinator", default=os.environ.get("BIOS_COORDINATOR", "tcp://127.0.0.1:7600"),
-                   help="the coordinator's client address")
+                   help="the coordinator's client address ($BIOS_COORDINATOR)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--gpus", default=None, metavar="all|N",
                    help="fork one worker process per GPU (all visible ones, or the first N)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--worker-id", default="", help="stable id for this worker (default: host-pid-random)")
-    p.add_argument("--token", default=os.environ.get("BIOS_WORKER_TOKEN"), help="cluster worker token")
+    p.add_argument("--token", default=None,
+                   help="the cluster's worker token, from `bios keys worker-token` (default: $BIOS_WORKER_TOKEN)")
     p.add_argument("--model-map", default=None, metavar="FILE",
                    help="JSON map of model names to local directories (same as BIOS_MODEL_MAP)")
     p.add_argument("--memory-limit", type=parse_size, default=None, metavar="SIZE",
                    help="memory budget to plan with instead of the device's (e.g. 2GiB, 512MiB); the coordinator "
                         "splits a model that does not fit over several workers (tensor parallelism)")
-    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"), help="($BIOS_LOG_LEVEL)")
     return p.parse_args(argv)
 
 
@@ -55,11 +55,16 @@ def parse_size(text: str) -> int:
 
 
 async def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from .daemon import WorkerConfig, WorkerDaemon, default_device
+
     if args.model_map:
         os.environ["BIOS_MODEL_MAP"] = args.model_map  # bios.models reads names through this
     device = torch.device(args.device) if args.device else default_device()
+    token = args.token or os.environ.get("BIOS_WORKER_TOKEN")  # not an argparse default: --help would print it
     daemon = WorkerDaemon(WorkerConfig(coordinator=args.coordinator, device=device,
-                                       worker_id=args.worker_id, token=args.token, memory_limit=args.memory_limit))
+                                       worker_id=args.worker_id, token=token, memory_limit=args.memory_limit))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.leave("SIGTERM")))
@@ -68,6 +73,8 @@ async def run(args: argparse.Namespace) -> None:
 
 def fork_per_gpu(argv: list[str], gpus: str) -> int:
     """`--gpus all`: one child worker per device (`--device cuda:i`), stopped together on SIGTERM/SIGINT."""
+    import torch
+
     available = torch.cuda.device_count()
     wanted = available if gpus == "all" else int(gpus)
     if available == 0 or not 1 <= wanted <= available:
@@ -98,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
+    from bios.actors import loop as event_loop
+    from bios.exceptions import AuthenticationError
+
     try:
         event_loop.run(run(args))
     except AuthenticationError as exc:
