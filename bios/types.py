@@ -287,6 +287,7 @@ class GetInfoResponse:
     model_name: str | None = None
     memory_plan: str | None = None  # how the workers hold the base model (plan, layout, memory estimate)
     base_dtype: str | None = None  # the frozen base weights' dtype on the workers ("bfloat16", "float32")
+    lora_seed: int | None = None  # the adapter's initialisation seed: the user's, or the one chosen at creation
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,9 @@ from bios.gateway import proto
 from bios.security.keys import ApiKey, KeyStore, WorkerToken
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import DecodeError, Envelope
-from bios.validation import LOSS_INPUTS, validate_adam_params, validate_forward_backward, validate_lora_rank
-from bios.validation import validate_sample as coordinator_validate_sample
+from bios import spec
 from bios.worker import losses
 from bios.worker.adapter import validate_lora_config
-from bios.worker.sampling import validate_sample as worker_validate_sample
 
 EXAMPLES = 400
 PER_EXAMPLE = 25
@@ -138,7 +136,7 @@ def _array(rng: random.Random, n: int) -> np.ndarray:
 def _datum(rng: random.Random) -> t.Datum:
     model_input = _model_input(rng)
     n = model_input.length
-    keys = list(rng.choice(list(LOSS_INPUTS.values())))
+    keys = list(rng.choice([loss.required_inputs for loss in spec.LOSSES.values()]))
     if rng.random() < 0.3:
         keys.remove(rng.choice(keys))
     if rng.random() < 0.3:
@@ -147,7 +145,7 @@ def _datum(rng: random.Random) -> t.Datum:
 
 
 def _loss_fn(rng: random.Random) -> str:
-    return rng.choice(list(LOSS_INPUTS)) if rng.random() < 0.85 else _text(rng)
+    return rng.choice(list(spec.LOSSES)) if rng.random() < 0.85 else _text(rng)
 
 
 def _loss_config(rng: random.Random) -> dict[str, float] | None:
@@ -189,7 +187,7 @@ def _validate_forward_backward(op: m.ForwardBackward | None) -> None:
     if op is None:
         return
     LEDGER.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
-    validate_forward_backward(op.data, op.loss_fn, op.loss_fn_config, INFO)
+    spec.check_forward(op.data, op.loss_fn, op.loss_fn_config, INFO)
 
 
 @settings(FUZZ)
@@ -213,9 +211,9 @@ def test_fuzz_optim_step_and_lora_validation_raise_only_bad_request(seed: int) -
 
     def validate(op: Any) -> None:
         if isinstance(op, m.OptimStep):
-            validate_adam_params(op.adam_params)
+            spec.check_adam(op.adam_params)
         elif isinstance(op, m.CreateModel):
-            validate_lora_rank(op.lora.rank)
+            spec.check_lora(op.lora)
 
     _check(seed, build, validate, (BadRequestError,))
 
@@ -223,29 +221,20 @@ def test_fuzz_optim_step_and_lora_validation_raise_only_bad_request(seed: int) -
 @settings(FUZZ)
 @given(seed=SEEDS)
 def test_fuzz_sample_validation_raises_only_bad_request(seed: int) -> None:
-    """The coordinator's checks at acceptance and the worker's before generating, with and without model info."""
+    """The spec's sampling checks and the quota's token bound, with and without model info."""
 
     def build(rng: random.Random) -> tuple[m.Sample | None, t.BaseModelInfo | None]:
         op = _through_wire(rng, lambda r: m.Sample("s:sample:0", 0, _model_input(r), _int(r), _sampling_params(r)))
         return op, INFO if rng.random() < 0.7 else None
 
-    def at_acceptance(op: m.Sample, info: t.BaseModelInfo | None) -> None:
-        coordinator_validate_sample(op.prompt, op.num_samples, op.sampling_params, info)
-        LEDGER.check_tokens(op.num_samples * (op.prompt.length + (op.sampling_params.max_tokens or 1)),
-                            "sampling_params.max_tokens")
-
-    def on_the_worker(op: m.Sample, info: t.BaseModelInfo | None) -> None:
-        worker_validate_sample(op.prompt.length, op.num_samples, op.sampling_params, info)
-
     def validate(value: tuple[m.Sample | None, t.BaseModelInfo | None]) -> None:
         op, info = value
-        for check in (at_acceptance, on_the_worker) if op is not None else ():
-            try:
-                check(op, info)
-            except BadRequestError:
-                pass
+        if op is not None:
+            spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params, info)
+            LEDGER.check_tokens(op.num_samples * (op.prompt.length + (op.sampling_params.max_tokens or 1)),
+                                "sampling_params.max_tokens")
 
-    _check(seed, build, validate, ())
+    _check(seed, build, validate, (BadRequestError,))
 
 
 @settings(FUZZ)
@@ -308,19 +297,19 @@ def test_fuzz_worker_lora_config_validation_raises_only_bad_request(seed: int, t
 
 @settings(FUZZ)
 @given(seed=SEEDS)
-def test_fuzz_worker_loss_inputs_raise_only_value_error(seed: int) -> None:
-    """The workers' loss checks (`resolve_config`, `validate_inputs`) report bad input as ValueError, by contract."""
+def test_fuzz_worker_loss_inputs_raise_only_bad_request(seed: int) -> None:
+    """The workers' loss checks (the spec's `loss_config`, `validate_inputs`) report bad input as BadRequestError."""
 
     def build(rng: random.Random) -> tuple[str, dict[str, float] | None, t.Datum]:
         return _loss_fn(rng), _loss_config(rng), _datum(rng)
 
     def validate(value: tuple[str, dict[str, float] | None, t.Datum]) -> None:
         loss_fn, config, datum = value
-        losses.resolve_config(loss_fn, config)
+        spec.loss_config(loss_fn, config)
         inputs = {key: tensor.to_torch() for key, tensor in datum.loss_fn_inputs.items()}
         losses.validate_inputs(loss_fn, inputs, datum.model_input.length)
 
-    _check(seed, build, validate, (ValueError,))
+    _check(seed, build, validate, (BadRequestError,))
 
 
 # ---------------------------------------------------------------------------------------------- keys
@@ -443,11 +432,11 @@ def test_fuzz_gateway_json_bodies_raise_only_bad_request(seed: int) -> None:
         decoded = JSON_BODIES[name][0](gateway.Body(data))
         op = decoded[0] if isinstance(decoded, tuple) else decoded
         if isinstance(op, m.OptimStep):
-            validate_adam_params(op.adam_params)
+            spec.check_adam(op.adam_params)
         elif isinstance(op, m.CreateModel):
-            validate_lora_rank(op.lora.rank)
+            spec.check_lora(op.lora)
         elif isinstance(op, m.Sample):
-            coordinator_validate_sample(op.prompt, op.num_samples, op.sampling_params, INFO)
+            spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params, INFO)
         elif isinstance(op, m.SaveWeights) and op.name is not None:
             check_name(op.name)
 

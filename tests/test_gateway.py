@@ -342,6 +342,8 @@ def test_metric_keys_get_exactly_one_colon_and_a_known_reduction():
 
 async def test_backpressure_is_a_429_with_retry_after():
     class NeverSubmitted:
+        front_door = None  # never reached: the gateway refuses before submitting
+
         def attach_local_client(self, name, on_done):
             return b"gateway"
 

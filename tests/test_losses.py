@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
-from bios.worker.losses import LOSS_FNS, compute_loss, required_inputs
+from bios.exceptions import BadRequestError
+from bios import types as t
+from bios.spec import LOSSES
+from bios.worker.losses import COMPUTE, compute_loss
 
 N = 24
 
@@ -155,26 +158,28 @@ def test_stable_reinforce_adds_a_k3_penalty_on_sampled_tokens_only():
 
 def test_every_loss_declares_its_inputs_and_runs():
     logp, inputs = _inputs(8)
-    assert set(LOSS_FNS) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
-    for name in LOSS_FNS:
-        assert "target_tokens" in required_inputs(name)
+    assert set(LOSSES) == set(COMPUTE) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo",
+                                           "stable_reinforce"}
+    assert set(LOSSES) == set(t.LossFnType.__args__)  # the public Literal names the spec's losses
+    for name in LOSSES:
+        assert "target_tokens" in LOSSES[name].required_inputs
         value, grad = _value_and_grad(name, logp, inputs)
         assert math.isfinite(value) and torch.isfinite(grad).all()
 
 
 def test_bad_requests_raise_clear_errors():
     logp, inputs = _inputs(9)
-    with pytest.raises(ValueError, match="unknown loss_fn 'nope'"):
+    with pytest.raises(BadRequestError, match="unknown loss_fn 'nope'"):
         compute_loss("nope", logp, inputs, None)
-    with pytest.raises(ValueError, match=r"\['clip_ratio'\].*clip_high_threshold"):
+    with pytest.raises(BadRequestError, match=r"\['clip_ratio'\].*clip_high_threshold"):
         compute_loss("ppo", logp, inputs, {"clip_ratio": 0.2})
-    with pytest.raises(ValueError, match="accepts: none"):
+    with pytest.raises(BadRequestError, match="accepts no keys"):
         compute_loss("cross_entropy", logp, inputs, {"beta": 0.1})
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(BadRequestError, match="finite"):
         compute_loss("dro", logp, inputs, {"beta": float("nan")})
-    with pytest.raises(ValueError, match="must not exceed"):
+    with pytest.raises(BadRequestError, match="must not exceed"):
         compute_loss("ppo", logp, inputs, {"clip_low_threshold": 1.5})
-    with pytest.raises(ValueError, match=r"missing \['advantages'\]"):
+    with pytest.raises(BadRequestError, match=r"missing \['advantages'\]"):
         compute_loss("importance_sampling", logp, {k: v for k, v in inputs.items() if k != "advantages"}, None)
-    with pytest.raises(ValueError, match=r"loss_fn_inputs\['weights'\] has shape \(23,\).*shape \(24,\)"):
+    with pytest.raises(BadRequestError, match=r"loss_fn_inputs\['weights'\] has shape \(23,\).*shape \(24,\)"):
         compute_loss("cross_entropy", logp, {**inputs, "weights": inputs["weights"][:-1]}, None)

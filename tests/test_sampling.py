@@ -15,7 +15,8 @@ from bios.types import BaseModelInfo, Datum, LoraConfig, ModelInput, SamplingPar
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
-from bios.worker.sampling import DEFAULT_MAX_TOKENS, SampleItem, generate, validate_sample
+from bios.spec import check_sample
+from bios.worker.sampling import DEFAULT_MAX_TOKENS, SampleItem, generate
 
 EOS = 257
 CONTEXT = 128
@@ -278,7 +279,7 @@ def test_impossible_requests_name_the_field(model, tokenizer, prompt, num_sample
     assert raised.value.field == field
     info = BaseModelInfo("tiny", "/nowhere", "llama", BUILTIN_VOCAB_SIZE, CONTEXT, 64, 2, 0, EOS)
     with pytest.raises(BadRequestError) as raised:
-        validate_sample(len(prompt), num_samples, params, info)
+        check_sample(prompt, num_samples, params, info)
     assert raised.value.field == field
 
 

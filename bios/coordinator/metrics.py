@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from bios import messages as m
 from bios import types as t
+from bios.ids import target_of
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class CoordinatorMetrics:
         tokens = tokens_of(op, result) if error is None else 0
         if tokens:
             self.tokens.labels(name).inc(tokens)
-        run_id = request_id.rpartition("#")[0]
+        run_id = target_of(request_id)
         ids = {"run_id": run_id, "request_id": request_id, "op": name, "latency_s": latency}
         if error is not None:
             log.warning("request %s (%s) of %s failed: %s", request_id, name, run_id,
@@ -104,7 +105,7 @@ class CoordinatorMetrics:
         """A request refused at acceptance (bad input, unknown run...): counted, logged at INFO, never timed."""
         name = op_name(op)
         self.requests.labels(name, "rejected").inc()
-        run_id = request_id.rpartition("#")[0]
+        run_id = target_of(request_id)
         log.info("request %s (%s) of %s rejected: %s", request_id, name, run_id, reason,
                  extra={"run_id": run_id, "request_id": request_id, "op": name})
 

@@ -14,11 +14,6 @@ from bios import messages as m
 from bios import types as t
 
 
-def request_id_for(model_id: str, seq_id: int) -> str:
-    """Deterministic ids: a client knows the id of its request before it is sent, and resubmits map to it."""
-    return f"{model_id}#{seq_id}"
-
-
 @dataclass
 class Queued:
     request_id: str
@@ -33,8 +28,9 @@ class Run:
     owner: str
     base_model: str
     lora: t.LoraConfig
-    status: str = "creating"  # creating | ready | failed
+    status: str = "creating"  # creating | ready | lost
     info: t.BaseModelInfo | None = None
+    lost_reason: str = ""
     next_seq: int = 0
     queue: dict[int, Queued] = field(default_factory=dict)
     in_flight: list[tuple[int, Queued]] = field(default_factory=list)
@@ -69,13 +65,3 @@ class Run:
                 self.queue[seq_id] = item
                 self.next_seq = min(self.next_seq, seq_id)
         self.in_flight.clear()
-
-
-def seq_of(op: Any) -> int:
-    return 0 if isinstance(op, m.CreateModel) else op.seq_id
-
-
-def model_id_of(op: Any) -> str:
-    if isinstance(op, m.CreateModel):
-        return f"{op.session_id}:train:{op.model_seq_id}"
-    return op.model_id

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-import bios
+from bios import __version__
 from bios import messages as m
 from bios import types as t
 from bios.actors.actor import ActorRef, Policy, spawn
@@ -34,17 +33,14 @@ from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
-from .scheduler import PlanDescriptions, Query, QueueDepth, Scheduler, SchedulerConfig, Submit
+from .front_door import LOCAL_OWNER, FrontDoor
+from .queries import Queries
+from .scheduler import PlanDescriptions, QueueDepth, Scheduler, SchedulerConfig
 from .store import Store
 
 log = logging.getLogger(__name__)
 
-LOCAL_OWNER = "local"
 PROBE_TIMEOUT_S = 1.0
-QUERY_TYPES = (
-    m.GetInfo, m.CreateSamplingSession, m.GetSamplingSession, m.ListTrainingRuns, m.GetTrainingRun,
-    m.ListCheckpoints, m.DeleteCheckpoint, m.FetchCheckpoint,
-)
 
 
 @dataclass(frozen=True)
@@ -125,6 +121,8 @@ class Coordinator:
             name="scheduler",
             policy=Policy.RESUME,
         )
+        self.front_door = FrontDoor(self.store, self.scheduler, Queries(self.store, self.catalog), self.ledger,
+                                    self.codec, self._capabilities, self._status)
         self.runner = CycleRunner(
             self.scheduler, self.clock, self.membership, self._send_to_worker,
             load_state=lambda path: self.catalog.load(path, None),
@@ -182,28 +180,22 @@ class Coordinator:
         if caller is None or caller.connection_key != self._connection_key(frames):
             raise AuthenticationError("this connection has not said Hello; create a ServiceClient first")
         if isinstance(body, m.REQUEST_TYPES):
-            return self._submit(Submit(peer, caller.owner, body, [f.bytes for f in frames]))
+            return self.front_door.submit(peer, body, caller.owner, [f.bytes for f in frames])
         if isinstance(body, m.SessionHeartbeat):
-            self._check_session(body.session_id, caller.owner)
             if self.keys is not None and not self.keys.is_active(caller.owner):
                 self._forget(peer)
                 raise AuthenticationError("this session's API key was revoked")
-            if not self.store.touch_session(body.session_id):
+            if not self.front_door.heartbeat(body.session_id, caller.owner):
                 raise NotFoundError(f"session {body.session_id} is closed or unknown")
             return _ready(m.Ack())
         if isinstance(body, m.CloseSession):
-            self._check_session(body.session_id, caller.owner)
-            self.store.close_session(body.session_id)
+            self.front_door.close_session(body.session_id, caller.owner)
             self._forget(peer)
             return _ready(m.Ack())
-        if isinstance(body, QUERY_TYPES):
-            return self.scheduler.ask_future(Query(caller.owner, body))
+        if self.front_door.is_query(body):
+            return self.front_door.query(body, caller.owner)
         if isinstance(body, m.Ping):
             return self._ping(body)
-        if isinstance(body, m.GetClusterStatus):
-            return self._status()
-        if isinstance(body, m.GetServerCapabilities):
-            return _ready(self._capabilities())
         raise BadRequestError(f"the coordinator does not take {type(body).__name__} from clients", field="kind")
 
     def _hello(self, peer: bytes, hello: m.Hello, frames: list[Any]) -> asyncio.Future[Any]:
@@ -217,12 +209,11 @@ class Coordinator:
         known = self.callers.get(peer)
         if known is not None and known != caller:
             raise AuthenticationError("this connection already has a session with another key; reconnect instead")
-        session_id = self.sessions.get(peer) or uuid.uuid4().hex[:16]
-        if peer not in self.sessions:
-            self.sessions[peer] = session_id
+        session_id = self.sessions.get(peer)
+        if session_id is None:
+            session_id = self.sessions[peer] = self.front_door.open_session(caller.owner)
             self.callers[peer] = caller
-            self.store.add_session(session_id, caller.owner)
-        return _ready(m.Welcome(session_id, bios.__version__, self.config.cycle_s))
+        return _ready(m.Welcome(session_id, __version__, self.config.cycle_s))
 
     def authenticate(self, api_key: str | None) -> str:
         """The owner an API key stands for (its key id); AuthenticationError if it is missing, wrong or revoked.
@@ -243,20 +234,9 @@ class Coordinator:
         """The CurveZMQ public key the message came from (set by the ZAP handler); None without keys."""
         return None if self.keys is None else frames[0].get("User-Id")
 
-    def _check_session(self, session_id: str, owner: str) -> None:
-        if self.store.session_owner(session_id) != owner:
-            raise NotFoundError(f"session {session_id} is closed or unknown", field="session_id")
-
     def _forget(self, peer: bytes) -> None:
         self.sessions.pop(peer, None)
         self.callers.pop(peer, None)
-
-    def _submit(self, submit: Submit) -> asyncio.Future[Any]:
-        """Hand a request to the scheduler, unless its key already has too many waiting for it (RateLimitError)."""
-        self.ledger.arrive(submit.owner)
-        future = self.scheduler.ask_future(submit)
-        future.add_done_callback(lambda _f: self.ledger.arrived(submit.owner))
-        return future
 
     async def _ping(self, ping: m.Ping) -> m.Pong:
         members = self.membership.alive()
@@ -301,26 +281,6 @@ class Coordinator:
         peer = f"local:{name}".encode()
         self._local_clients[peer] = on_done
         return peer
-
-    def open_session(self, owner: str = LOCAL_OWNER) -> str:
-        session_id = uuid.uuid4().hex[:16]
-        self.store.add_session(session_id, owner)
-        return session_id
-
-    def submit(self, peer: bytes, op: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
-        """The native path for a request: validated, stored, ordered; resolves to `Accepted`."""
-        frames = [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), op))]
-        return self._submit(Submit(peer, owner, op, frames))
-
-    def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
-        """Answer a query (GetInfo, sampling sessions, listings...) as for a native client."""
-        if isinstance(body, QUERY_TYPES):
-            return self.scheduler.ask_future(Query(owner, body))
-        if isinstance(body, m.GetServerCapabilities):
-            return _ready(self._capabilities())
-        if isinstance(body, m.GetClusterStatus):
-            return asyncio.ensure_future(self._status())
-        raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
 
     # ------------------------------------------------------------------------------------ workers
 

@@ -138,6 +138,9 @@ class Store:
                 "UPDATE runs SET status = ?, info = ? WHERE model_id = ?", (status, json.dumps(info), model_id)
             )
 
+    def delete_run(self, model_id: str) -> None:
+        self.db.execute("DELETE FROM runs WHERE model_id = ?", (model_id,))
+
     def get_run(self, model_id: str) -> StoredRun | None:
         row = self.db.execute("SELECT * FROM runs WHERE model_id = ?", (model_id,)).fetchone()
         return None if row is None else _run(row)

@@ -26,7 +26,7 @@ from bios import types as t
 from bios.actors.actor import ActorStopped
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
-from bios.coordinator.runs import model_id_of, request_id_for, seq_of
+from bios import ids
 from bios.coordinator.server import Coordinator
 from bios.security.listen import InsecureListenError
 from bios.exceptions import (
@@ -149,14 +149,16 @@ def _query_int(request: web.Request, name: str, default: int) -> int:
     return value
 
 
+def _model_id(op: Any) -> str:
+    if isinstance(op, (m.CreateModel)):
+        return ids.run_id(op.session_id, op.model_seq_id)
+    return op.model_id
+
+
 def _request_id(op: Any) -> str:
     if isinstance(op, m.Sample):
-        return request_id_for(op.sampling_session_id, op.seq_id)
-    return request_id_for(model_id_of(op), seq_of(op))
-
-
-def _session_of(model_id: str) -> str:
-    return model_id.rpartition(":train:")[0]
+        return ids.request_id(op.sampling_session_id, op.seq_id)
+    return ids.request_id(_model_id(op), 0 if isinstance(op, m.CreateModel) else op.seq_id)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class Gateway:
 
     def __init__(self, coordinator: Coordinator, config: GatewayConfig | None = None) -> None:
         self.coordinator = coordinator
+        self.front_door = coordinator.front_door
         self.config = config or GatewayConfig()
         self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
         self.gate = SeqGate(self.config.seq_gap_s, self._gap_timed_out)
@@ -259,8 +262,7 @@ class Gateway:
                                  retry_after=1.0)
 
     def _check_session(self, session_id: str, owner: str) -> None:
-        if self.coordinator.store.session_owner(session_id) != owner:
-            raise NotFoundError(f"unknown session {session_id!r}; create one with create_session", field="session_id")
+        self.front_door.check_session(session_id, owner)
 
     async def _submit(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
         """Hand an op to the coordinator now (create, sample); its promise exists before any result can arrive."""
@@ -268,7 +270,7 @@ class Gateway:
         request_id = _request_id(op)
         self.promises.expect(request_id, owner, render)
         try:
-            await self.coordinator.submit(self.peer, op, owner)
+            await self.front_door.submit(self.peer, op, owner)
         except BaseException:
             self.promises.forget(request_id)
             raise
@@ -302,7 +304,7 @@ class Gateway:
         first: asyncio.Future[Any] | None = None
         for i, item in enumerate(ready):
             try:
-                future = self.coordinator.submit(self.peer, item.op, item.owner)
+                future = self.front_door.submit(self.peer, item.op, item.owner)
             except Exception as exc:
                 self.gate.rewind(item.op.model_id, item.op.seq_id, [(r.op.seq_id, r) for r in ready[i + 1:]])
                 if first is None:
@@ -372,14 +374,13 @@ class Gateway:
 
     async def create_session(self, request: web.Request) -> web.Response:
         await _json_body(request)
-        session_id = self.coordinator.open_session(request[OWNER])
+        session_id = self.front_door.open_session(request[OWNER])
         self.samplers[session_id] = []
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def session_heartbeat(self, request: web.Request) -> web.Response:
         session_id = (await _json_body(request)).text("session_id")
-        self._check_session(session_id, request[OWNER])
-        if not self.coordinator.store.touch_session(session_id):
+        if not self.front_door.heartbeat(session_id, request[OWNER]):
             return _http_error(410, f"session {session_id} is finished")
         return web.json_response({"type": "session_heartbeat"})
 
@@ -388,43 +389,41 @@ class Gateway:
 
     async def finish_session(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
-        self._check_session(session_id, request[OWNER])
-        self.coordinator.store.close_session(session_id)
+        self.front_door.close_session(session_id, request[OWNER])
         return web.json_response({})
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         """Sessions that own runs, and those opened through this gateway since it started."""
         owner = request[OWNER]
-        opened = [s for s in self.samplers if self.coordinator.store.session_owner(s) == owner]
-        ids = dict.fromkeys([r.session_id for r in self.coordinator.store.list_runs(owner)] + opened)
+        opened = [s for s in self.samplers if self.front_door.owns_session(s, owner)]
+        listed = list(dict.fromkeys(self.front_door.sessions(owner) + opened))
         offset, limit = _query_int(request, "offset", 0), _query_int(request, "limit", 20)
-        return web.json_response({"sessions": list(ids)[offset: offset + limit]})
+        return web.json_response({"sessions": listed[offset: offset + limit]})
 
     async def get_session(self, request: web.Request) -> web.Response:
         session_id, owner = request.match_info["session_id"], request[OWNER]
-        self._check_session(session_id, owner)
-        runs = [r.model_id for r in self.coordinator.store.list_runs(owner) if r.session_id == session_id]
+        runs = self.front_door.runs_of_session(session_id, owner)
         return web.json_response({"training_run_ids": runs, "sampler_ids": self.samplers.get(session_id, [])})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def server_capabilities(self, request: web.Request) -> web.Response:
-        return web.json_response(json_wire.capabilities(await self.coordinator.query(m.GetServerCapabilities())))
+        return web.json_response(json_wire.capabilities(await self.front_door.query(m.GetServerCapabilities())))
 
     # ------------------------------------------------------------------------------------ training routes
 
     async def create_model(self, request: web.Request) -> web.Response:
         op, owner = json_wire.create_model(await _json_body(request)), request[OWNER]
         self._check_session(op.session_id, owner)
-        model_id = model_id_of(op)
+        model_id = _model_id(op)
         request_id = await self._submit(op, owner, self._render_created)
         self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     async def get_info(self, request: web.Request) -> web.Response:
         model_id = (await _json_body(request)).text("model_id")
-        info = await self.coordinator.query(m.GetInfo(model_id), request[OWNER])
+        info = await self.front_door.query(m.GetInfo(model_id), request[OWNER])
         return web.json_response(json_wire.get_info(info))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
@@ -454,7 +453,7 @@ class Gateway:
             op, sampling_seq = json_wire.save_weights_for_sampler(body)
             if sampling_seq is None:
                 return op, self._render_sampler_saved
-            return op, partial(self._render_sampling_session, request[OWNER], _session_of(op.model_id),
+            return op, partial(self._render_sampling_session, request[OWNER], ids.session_of(op.model_id),
                                sampling_seq)
 
         return await self._ordered(request, await _json_body(request), parse)
@@ -465,7 +464,7 @@ class Gateway:
             return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self._render_loaded))
         op = json_wire.load_weights(body)
         self._check_session(op.session_id, owner)
-        model_id = model_id_of(op)
+        model_id = _model_id(op)
         request_id = await self._submit(op, owner, partial(self._render_created_from, op.from_path))
         self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
@@ -475,14 +474,14 @@ class Gateway:
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         query, owner = json_wire.create_sampling_session(await _json_body(request)), request[OWNER]
         self._check_session(query.session_id, owner)
-        session = await self.coordinator.query(query, owner)
+        session = await self.front_door.query(query, owner)
         self.samplers.setdefault(query.session_id, []).append(session.sampling_session_id)
         return web.json_response({"type": "create_sampling_session",
                                   "sampling_session_id": session.sampling_session_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         query = m.GetSamplingSession(request.match_info["sampler_id"])
-        return web.json_response(json_wire.sampler(await self.coordinator.query(query, request[OWNER])))
+        return web.json_response(json_wire.sampler(await self.front_door.query(query, request[OWNER])))
 
     async def asample(self, request: web.Request) -> web.Response:
         op, last_n = json_wire.sample(await _json_body(request))
@@ -505,27 +504,27 @@ class Gateway:
 
     async def list_training_runs(self, request: web.Request) -> web.Response:
         query = m.ListTrainingRuns(_query_int(request, "limit", 20), _query_int(request, "offset", 0))
-        return web.json_response(json_wire.training_runs(await self.coordinator.query(query, request[OWNER])))
+        return web.json_response(json_wire.training_runs(await self.front_door.query(query, request[OWNER])))
 
     async def get_training_run(self, request: web.Request) -> web.Response:
-        run = await self.coordinator.query(m.GetTrainingRun(request.match_info["run_id"]), request[OWNER])
+        run = await self.front_door.query(m.GetTrainingRun(request.match_info["run_id"]), request[OWNER])
         return web.json_response(json_wire.training_run(run))
 
     async def list_checkpoints(self, request: web.Request) -> web.Response:
-        listing = await self.coordinator.query(m.ListCheckpoints(request.match_info["run_id"]), request[OWNER])
+        listing = await self.front_door.query(m.ListCheckpoints(request.match_info["run_id"]), request[OWNER])
         return web.json_response({"checkpoints": [json_wire.checkpoint(c) for c in listing.checkpoints]})
 
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         info = request.match_info
         path = json_wire.checkpoint_path(info["run_id"], f"{info['kind']}/{info['name']}")
-        await self.coordinator.query(m.DeleteCheckpoint(path), request[OWNER])
+        await self.front_door.query(m.DeleteCheckpoint(path), request[OWNER])
         return web.json_response({})
 
     async def list_user_checkpoints(self, request: web.Request) -> web.Response:
         owner, limit, offset = request[OWNER], _query_int(request, "limit", 100), _query_int(request, "offset", 0)
         checkpoints: list[t.Checkpoint] = []
-        for run in self.coordinator.store.list_runs(owner):
-            listing = await self.coordinator.query(m.ListCheckpoints(run.model_id), owner)
+        for run_id in self.front_door.run_ids(owner):
+            listing = await self.front_door.query(m.ListCheckpoints(run_id), owner)
             checkpoints.extend(listing.checkpoints)
         checkpoints.sort(key=lambda c: c.time, reverse=True)
         page = [json_wire.checkpoint(c) for c in checkpoints[offset: offset + limit]]
@@ -535,10 +534,10 @@ class Gateway:
     async def weights_info(self, request: web.Request) -> web.Response:
         owner = request[OWNER]
         path = CheckpointPath.parse((await _json_body(request)).text("tinker_path"), field="tinker_path")
-        listing = await self.coordinator.query(m.ListCheckpoints(path.run_id), owner)
+        listing = await self.front_door.query(m.ListCheckpoints(path.run_id), owner)
         if not any(c.bios_path == str(path) for c in listing.checkpoints):
             raise NotFoundError(f"no checkpoint at {json_wire.tinker_path(str(path))}", field="tinker_path")
-        run = await self.coordinator.query(m.GetTrainingRun(path.run_id), owner)
+        run = await self.front_door.query(m.GetTrainingRun(path.run_id), owner)
         return web.json_response(json_wire.weights_info(run))
 
     # ------------------------------------------------------------------------------------ results
@@ -565,7 +564,7 @@ class Gateway:
                                        out: t.SaveWeightsForSamplerResponse) -> Reply:
         """An unnamed save's result is a sampling session on its checkpoint: save_weights_and_get_sampling_client."""
         query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
-        session = await self.coordinator.query(query, owner)
+        session = await self.front_door.query(query, owner)
         self.samplers.setdefault(session_id, []).append(session.sampling_session_id)
         return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
                            "type": "save_weights_for_sampler"})

@@ -77,6 +77,7 @@ class ModelShape:
     tied_embeddings: bool
     attention_bias: bool = False
     mlp_bias: bool = False
+    max_context_length: int | None = None  # max_position_embeddings, so requests can be checked before a load
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -110,6 +111,7 @@ class ModelShape:
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            max_context_length=getattr(text, "max_position_embeddings", None),
         )
 
     @property

@@ -10,6 +10,7 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any
 
+from bios import ids
 from bios import messages as m
 from bios import types as t
 
@@ -47,7 +48,7 @@ class SamplingClient:
         params = sampling_params if sampling_params is not None else t.SamplingParams()
         with self._lock:
             seq_id = next(self._seq)
-            request_id = f"{self.sampling_session_id}#{seq_id}"
+            request_id = ids.request_id(self.sampling_session_id, seq_id)
             op = m.Sample(self.sampling_session_id, seq_id, prompt, num_samples, params, include_prompt_logprobs)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)

@@ -10,6 +10,7 @@ import time
 import weakref
 from types import TracebackType
 
+from bios import ids
 from bios import messages as m
 from bios import types as t
 
@@ -115,7 +116,7 @@ class ServiceClient:
         with self._model_seq_lock:
             model_seq_id = next(self._model_seq)
             op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer)
-            request_id = f"{self.session_id}:train:{model_seq_id}#0"
+            request_id = ids.request_id(ids.run_id(self.session_id, model_seq_id), 0)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 

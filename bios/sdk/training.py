@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from bios import ids
 from bios import messages as m
 from bios import types as t
 
@@ -49,8 +50,9 @@ class TrainingClient:
         with self._seq_lock:
             seq_id = next(self._seq)
             op = build(seq_id)
-            accepted, result = self._conn.submit(op, f"{self.model_id}#{seq_id}")
-        return APIFuture(result, accepted, f"{self.model_id}#{seq_id}")
+            request_id = ids.request_id(self.model_id, seq_id)
+            accepted, result = self._conn.submit(op, request_id)
+        return APIFuture(result, accepted, request_id)
 
     async def _accepted(self, future: APIFuture[Any]) -> APIFuture[Any]:
         await future.accepted_async()
@@ -114,16 +116,16 @@ class TrainingClient:
             first = next(self._seq)
             second = next(self._seq)
             fwd_op = m.ForwardBackward(self.model_id, first, stripped, "cross_entropy", None, True)
-            accepted, forward = self._conn.submit(fwd_op, f"{self.model_id}#{first}")
+            accepted, forward = self._conn.submit(fwd_op, ids.request_id(self.model_id, first))
         result: concurrent.futures.Future[t.ForwardBackwardOutput] = concurrent.futures.Future()
         forward.add_done_callback(lambda f: _CUSTOM_POOL.submit(self._custom_backward, f, batch, stripped,
                                                                 loss_fn, second, result))
-        return APIFuture(result, accepted, f"{self.model_id}#{second}")
+        return APIFuture(result, accepted, ids.request_id(self.model_id, second))
 
     def _custom_backward(self, forward: concurrent.futures.Future[t.ForwardBackwardOutput], batch: list[t.Datum],
                          stripped: list[t.Datum], loss_fn: CustomLoss, seq_id: int,
                          result: concurrent.futures.Future[t.ForwardBackwardOutput]) -> None:
-        request_id = f"{self.model_id}#{seq_id}"
+        request_id = ids.request_id(self.model_id, seq_id)
         try:
             import torch
 

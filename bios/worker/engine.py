@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bios import spec
+from bios.exceptions import BadRequestError
 from bios.kernels.adamw import adamw_step
 from bios.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
-from bios.worker.losses import compute_loss, resolve_config, validate_inputs
+from bios.worker.losses import compute_loss, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 
 
@@ -60,7 +62,7 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
     vocab_out = model.get_output_embeddings().out_features
     rows = []
     for item_index, item in enumerate(items):
-        resolve_config(item.loss_fn, item.loss_fn_config)
+        spec.loss_config(item.loss_fn, item.loss_fn_config)
         for datum_index, datum in enumerate(item.data):
             where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}"
             tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
@@ -69,8 +71,8 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
             inputs = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
             try:
                 validate_inputs(item.loss_fn, inputs, tokens.numel())
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from None
+            except BadRequestError as error:
+                raise ValueError(f"{where}: {error.message}") from None
             targets = inputs["target_tokens"]
             if targets.is_floating_point():
                 raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be int64 token ids, got float32")

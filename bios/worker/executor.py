@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
+from bios import ids, spec
 from bios import messages as m
 from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.exceptions import BadRequestError
-from bios.validation import validate_adam_params, validate_forward_backward, validate_sample
 
 from . import engine
 from .adapter import AdapterState
@@ -93,7 +93,7 @@ class CycleExecutor:
                 done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
                 if done is not None:
                     report(done)
-                touched.add(f"{item.op.session_id}:train:{item.op.model_seq_id}")
+                touched.add(ids.run_id(item.op.session_id, item.op.model_seq_id))
             touched |= self._forward_phase(cycle.cycle_id, forwards, report)
             mark = time.perf_counter()
             for item in closing:
@@ -122,7 +122,7 @@ class CycleExecutor:
             try:
                 adapter = self.pool.adapter(item.op.model_id)
                 op = item.op
-                validate_forward_backward(op.data, op.loss_fn, op.loss_fn_config, adapter.base.info)
+                spec.check_forward(op.data, op.loss_fn, op.loss_fn_config, adapter.base.info)
             except Exception as exc:
                 report(_failed(cycle_id, item, exc))
                 continue
@@ -263,7 +263,7 @@ class CycleExecutor:
 
     def _closing_op(self, op: Any) -> Any:
         if isinstance(op, m.OptimStep):
-            validate_adam_params(op.adam_params)
+            spec.check_adam(op.adam_params)
             adapter = self.pool.adapter(op.model_id)
             info = shard_info(adapter.base.model)
             if info is None:
@@ -315,7 +315,7 @@ class CycleExecutor:
                     self.pool.add_sampler(op.adapter_path, op.base_model, op.adapter_state)
                 adapter = self.pool.sampler(op.adapter_path).state if op.adapter_path is not None else None
                 base = self.pool.base(op.base_model)
-                validate_sample(op.prompt, op.num_samples, op.sampling_params, base.info)
+                spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params, base.info)
             except Exception as exc:
                 report(_failed(cycle_id, item, exc))
                 continue

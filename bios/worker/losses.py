@@ -9,25 +9,15 @@ ones; dro, gspo and stable_reinforce have no public Tinker formula, so each docs
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from bios import spec
+from bios.exceptions import BadRequestError
+
 LossCompute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
-
-
-@dataclass(frozen=True)
-class LossFn:
-    """A named loss: the inputs it needs, the inputs it also reads, its config keys with defaults, and how."""
-
-    name: str
-    compute: LossCompute
-    required_inputs: tuple[str, ...]
-    optional_inputs: tuple[str, ...] = ()
-    config_defaults: Mapping[str, float] = field(default_factory=dict)
 
 
 def _ratio(logp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
@@ -130,76 +120,30 @@ def stable_reinforce(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping
     return importance_sampling(logp, inputs, config) + config["kl_coeff"] * (mask * k3).sum()
 
 
-_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-_CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
-
-LOSS_FNS: dict[str, LossFn] = {
-    loss.name: loss
-    for loss in (
-        LossFn("cross_entropy", cross_entropy, ("target_tokens", "weights")),
-        LossFn("importance_sampling", importance_sampling, _RL_INPUTS),
-        LossFn(
-            "ppo", ppo, _RL_INPUTS, _CLIP_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-        ),
-        LossFn(
-            "cispo", cispo, _RL_INPUTS, _CLIP_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
-        ),
-        LossFn("dro", dro, _RL_INPUTS, ("sequence_ratio_mask",), {"beta": 0.1}),
-        LossFn(
-            "gspo",
-            gspo,
-            (*_RL_INPUTS, "sequence_ratio_mask"),
-            _CLIP_INPUTS,
-            {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
-        ),
-        LossFn("stable_reinforce", stable_reinforce, _RL_INPUTS, ("sequence_ratio_mask",), {"kl_coeff": 0.01}),
-    )
+COMPUTE: dict[str, LossCompute] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }
-
-
-def _loss(loss_fn: str) -> LossFn:
-    if loss_fn not in LOSS_FNS:
-        raise ValueError(f"unknown loss_fn {loss_fn!r}; the built-in losses are {sorted(LOSS_FNS)}")
-    return LOSS_FNS[loss_fn]
-
-
-def required_inputs(loss_fn: str) -> tuple[str, ...]:
-    """The `loss_fn_inputs` keys every datum must carry for `loss_fn` (each a per-token [N] tensor)."""
-    return _loss(loss_fn).required_inputs
-
-
-def resolve_config(loss_fn: str, config: Mapping[str, float] | None) -> dict[str, float]:
-    """`config` over the loss's defaults; ValueError on an unknown key or a non-finite value."""
-    loss = _loss(loss_fn)
-    given = dict(config or {})
-    unknown = sorted(given.keys() - loss.config_defaults.keys())
-    if unknown:
-        allowed = sorted(loss.config_defaults) or "none"
-        raise ValueError(f"loss_fn_config keys {unknown} are not used by {loss_fn} (it accepts: {allowed})")
-    for key, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
-    resolved = {**loss.config_defaults, **{key: float(value) for key, value in given.items()}}
-    if "clip_low_threshold" in resolved and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]:
-        raise ValueError(
-            f"loss_fn_config clip_low_threshold ({resolved['clip_low_threshold']}) must not exceed "
-            f"clip_high_threshold ({resolved['clip_high_threshold']})"
-        )
-    return resolved
+assert COMPUTE.keys() == spec.LOSSES.keys(), "every loss of the request spec needs its computation here"
 
 
 def validate_inputs(loss_fn: str, inputs: Mapping[str, Tensor], num_tokens: int) -> None:
-    """ValueError naming the problem if a required input is missing or an input the loss reads is not [N]."""
-    loss = _loss(loss_fn)
+    """BadRequestError naming the problem if a required input is missing or an input the loss reads is not [N]."""
+    loss = spec.loss_spec(loss_fn)
     missing = [key for key in loss.required_inputs if key not in inputs]
     if missing:
-        raise ValueError(f"loss {loss_fn} needs loss_fn_inputs {list(loss.required_inputs)}; missing {missing}")
+        raise BadRequestError(f"loss {loss_fn} needs loss_fn_inputs {list(loss.required_inputs)}; missing {missing}",
+                              field=f"loss_fn_inputs.{missing[0]}")
     for key in (*loss.required_inputs, *loss.optional_inputs):
         if key in inputs and tuple(inputs[key].shape) != (num_tokens,):
-            raise ValueError(
+            raise BadRequestError(
                 f"loss_fn_inputs[{key!r}] has shape {tuple(inputs[key].shape)}, but the datum has {num_tokens} "
-                f"input tokens, so it must have shape ({num_tokens},)"
-            )
+                f"input tokens, so it must have shape ({num_tokens},)", field=f"loss_fn_inputs.{key}")
 
 
 def compute_loss(
@@ -207,15 +151,15 @@ def compute_loss(
 ) -> Tensor:
     """The summed loss of one datum. `logprobs` [N] is the learner's log p(target); `inputs` that datum's inputs.
 
-    Raises ValueError naming the problem for an unknown loss or config key, a missing required input, or an
-    input whose shape is not [N]. Inputs the loss does not read are ignored.
+    Raises BadRequestError naming the problem for an unknown loss or config key, a missing required input, or
+    an input whose shape is not [N] (the rules of `bios.spec`). Inputs the loss does not read are ignored.
     """
-    loss = _loss(loss_fn)
-    resolved = resolve_config(loss_fn, config)
+    loss = spec.loss_spec(loss_fn)
+    resolved = spec.loss_config(loss_fn, config)
     validate_inputs(loss_fn, inputs, logprobs.shape[0])
     used = {
         key: inputs[key] if key == "target_tokens" else inputs[key].to(dtype=logprobs.dtype, device=logprobs.device)
         for key in (*loss.required_inputs, *loss.optional_inputs)
         if key in inputs
     }
-    return loss.compute(logprobs, used, resolved)
+    return COMPUTE[loss_fn](logprobs, used, resolved)

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from bios import spec
 from bios.exceptions import BadRequestError
-from bios.types import BaseModelInfo, SampledSequence, SampleResponse, SamplingParams
+from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
 from bios.worker.lora import active_adapters, attach_lora
 
@@ -47,7 +48,6 @@ _COMPACT_WHEN_ALIVE = 0.75
 # Prompt logprobs go through the output head this many positions at a time, so a long prompt never
 # materialises [prompt, vocab] logits at once.
 _PROMPT_LOGPROB_CHUNK = 1024
-_MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -61,21 +61,7 @@ class SampleItem:
     prompt_logprobs: bool = False
 
 
-# ------------------------------------------------------------------------------------------ validation
-
-
-def validate_sample(prompt_len: int, num_samples: int, params: SamplingParams, info: BaseModelInfo | None) -> None:
-    """Raise `BadRequestError` naming the field if the request cannot run; `info` adds context/vocab checks.
-
-    The coordinator runs this at acceptance; `generate` runs it again against the loaded model.
-    """
-    _check_request(
-        prompt_len,
-        num_samples,
-        params,
-        context=None if info is None else info.max_context_length,
-        vocab_size=None if info is None else info.vocab_size,
-    )
+# ------------------------------------------------------------------------------------------ rows
 
 
 def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | None) -> int:
@@ -87,85 +73,13 @@ def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | 
     return min(DEFAULT_MAX_TOKENS, context - prompt_len)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_request(
-    prompt_len: int, num_samples: int, params: SamplingParams, *, context: int | None, vocab_size: int | None
-) -> None:
-    if not _is_int(num_samples) or num_samples < 1:
-        raise BadRequestError(f"num_samples must be an integer >= 1, got {num_samples!r}", field="num_samples")
-    if prompt_len < 1:
-        raise BadRequestError("prompt is empty: sampling needs at least one prompt token", field="prompt")
-    if context is not None and prompt_len >= context:
-        raise BadRequestError(
-            f"prompt has {prompt_len} tokens, which leaves no room to sample in the model's context of {context}",
-            field="prompt",
-        )
-    max_tokens = params.max_tokens
-    if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise BadRequestError(
-                f"sampling_params.max_tokens must be an integer >= 1 (or None), got {max_tokens!r}",
-                field="sampling_params.max_tokens",
-            )
-        if context is not None and prompt_len + max_tokens > context:
-            raise BadRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
-                f"{context}; lower max_tokens to at most {context - prompt_len}",
-                field="sampling_params.max_tokens",
-            )
-    if not _is_number(params.temperature) or params.temperature < 0:
-        raise BadRequestError(
-            f"sampling_params.temperature must be a finite number >= 0 (0 = greedy), got {params.temperature!r}",
-            field="sampling_params.temperature",
-        )
-    if not _is_int(params.top_k) or params.top_k == 0 or params.top_k < -1:
-        raise BadRequestError(
-            f"sampling_params.top_k must be -1 (off) or an integer >= 1, got {params.top_k!r}",
-            field="sampling_params.top_k",
-        )
-    if not _is_number(params.top_p) or not 0 < params.top_p <= 1:
-        raise BadRequestError(
-            f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}", field="sampling_params.top_p"
-        )
-    if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed <= _MAX_SEED):
-        raise BadRequestError(
-            f"sampling_params.seed must be an integer in [0, {_MAX_SEED}] or None, got {params.seed!r}",
-            field="sampling_params.seed",
-        )
-    _check_stop(params.stop, vocab_size)
-
-
-def _check_stop(stop: object, vocab_size: int | None) -> None:
-    if stop is None or isinstance(stop, str) and stop:
-        return
-    rule = "sampling_params.stop must be None, a non-empty string, a list of non-empty strings or a list of token ids"
-    if not isinstance(stop, (list, tuple)):
-        raise BadRequestError(f"{rule}, got {type(stop).__name__}", field="sampling_params.stop")
-    if all(isinstance(s, str) and s for s in stop):
-        return
-    if not all(_is_int(s) for s in stop):
-        raise BadRequestError(f"{rule} (not a mix), got {list(stop)!r}", field="sampling_params.stop")
-    bad = next((s for s in stop if s < 0 or (vocab_size is not None and s >= vocab_size)), None)
-    if bad is not None:
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise BadRequestError(f"sampling_params.stop token id {bad} is outside {limit}", field="sampling_params.stop")
-
-
-# ------------------------------------------------------------------------------------------ rows
 
 
 def row_seed(seed: int, sample_index: int) -> int:
     """The generator seed of sample `sample_index` of a request with `seed`: a hash, so nearby seeds and
     indices give unrelated streams."""
     digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MAX_SEED
+    return int.from_bytes(digest, "little") & spec.MAX_SEED
 
 
 def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
@@ -174,17 +88,9 @@ def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
     if isinstance(stop, (list, tuple)) and not stop:
         return []
     eos = [] if eos_token_id is None else [eos_token_id]
-    if isinstance(stop, (list, tuple)) and all(_is_int(s) for s in stop):
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, int) for s in stop):
         return eos + [int(s) for s in stop if int(s) not in eos]
     return eos
-
-
-def _stop_strings(stop: object) -> list[str]:
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, (list, tuple)) and stop and all(isinstance(s, str) for s in stop):
-        return list(stop)
-    return []
 
 
 @dataclass
@@ -316,15 +222,11 @@ def generate(
     config = model.config.get_text_config()
     context = int(config.max_position_embeddings)
     vocab_size = model.get_input_embeddings().num_embeddings
+    limits = spec.Limits(getattr(config, "name_or_path", "") or "this model", vocab_size, context)
     for index, item in enumerate(items):
         try:
-            _check_request(len(item.prompt), item.num_samples, item.params, context=context, vocab_size=vocab_size)
-            bad = next((t for t in item.prompt if not _is_int(t) or not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise BadRequestError(
-                    f"prompt holds token id {bad!r}, outside this model's vocabulary [0, {vocab_size})", field="prompt"
-                )
-            if _stop_strings(item.params.stop) and tokenizer is None:
+            spec.check_sample(item.prompt, item.num_samples, item.params, limits)
+            if spec.stop_strings(item.params.stop) and tokenizer is None:
                 raise BadRequestError("stop strings need a tokenizer to decode text", field="sampling_params.stop")
         except BadRequestError as error:
             if len(items) == 1:
@@ -483,7 +385,7 @@ def _build_rows(
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         is_greedy = params.temperature == 0
         any_filtered |= not is_greedy and (params.top_k != -1 or params.top_p < 1)
-        strings = _stop_strings(params.stop)
+        strings = spec.stop_strings(params.stop)
         for sample_index in range(item.num_samples):
             if strings:
                 string_stops[len(greedy)] = strings

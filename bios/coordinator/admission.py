@@ -1,0 +1,259 @@
+"""Admission: ownership, the request spec and quotas, decided before anything changes.
+
+`Admission.admit` returns a verdict and changes nothing; the scheduler, which owns request state, acts on it.
+A request that breaks a rule of `bios.spec` is `Refused` with the `BadRequestError` naming the field, so a
+tenant's bad request never reaches a worker, where it would share a batch with other tenants' requests.
+Errors raised instead of returned (unknown run, reused seq_id, rate limits) leave no record at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from bios import ids, spec
+from bios import messages as m
+from bios import types as t
+from bios.checkpoint_path import CheckpointPath, check_name
+from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
+from bios.models.memory_plan import model_shape
+from bios.security.limits import QuotaLedger
+
+from .catalog import Catalog
+from .planning import PlanChoice, PoolPlanner
+from .runs import Run
+from .store import Store, StoredRequest
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A request as it reached the front door: who sent it, for whom, and its encoded frames (stored as is)."""
+
+    peer: bytes
+    owner: str
+    op: Any
+    frames: list[bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """Accept: store, queue and answer `op` (prepared: names filled in, checkpoints loaded)."""
+
+    request_id: str
+    target: str  # the run or sampling session
+    seq_id: int
+    op: Any
+    plan: PlanChoice | None = None  # a new run's base-model plan, to adopt with it
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A resubmitted (target, seq_id): answered from the request log, never run twice."""
+
+    stored: StoredRequest
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Reject with `error`; the seq_id is used up (`consumes_seq`) so the run's queue moves past it."""
+
+    request_id: str
+    target: str
+    seq_id: int
+    op: Any
+    error: BiosAPIError
+    consumes_seq: bool
+
+
+Verdict = Fresh | Repeat | Refused
+
+
+@dataclass(frozen=True)
+class Sampler:
+    owner: str
+    base_model: str
+    model_path: str | None
+
+
+class Admission:
+    def __init__(self, store: Store, catalog: Catalog, ledger: QuotaLedger, planner: PoolPlanner) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.ledger = ledger
+        self.planner = planner
+
+    def admit(self, sub: Submit, runs: Mapping[str, Run], samplers: Mapping[str, Sampler],
+              infos: Mapping[str, t.BaseModelInfo]) -> Verdict:
+        if isinstance(sub.op, m.Sample):
+            return self._admit_sample(sub, samplers, infos)
+        op = sub.op
+        create = isinstance(op, m.CreateModel)
+        model_id = ids.run_id(op.session_id, op.model_seq_id) if create else op.model_id
+        seq_id = 0 if create else op.seq_id
+        request_id = ids.request_id(model_id, seq_id)
+        self._check_owner(model_id, sub.owner, runs)
+        stored = self.store.get_request(request_id)
+        if stored is not None:
+            return Repeat(stored)
+        if create:
+            self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=False)
+            try:
+                op, plan = self._prepare_run(model_id, op, sub.owner, runs)
+            except BadRequestError as exc:
+                return Refused(request_id, model_id, seq_id, op, exc, consumes_seq=False)
+            return Fresh(request_id, model_id, seq_id, op, plan)
+        run = run_for(runs, model_id, sub.owner)
+        if seq_id < run.next_seq or seq_id in run.queue:
+            raise BadRequestError(f"seq_id {seq_id} of {model_id} was already used; the next free one is "
+                                  f"{max([run.next_seq, *run.queue]) + 1}", field="seq_id")
+        if seq_id != run.next_seq:  # a run's next request always gets in: later ones, accepted while it was
+            self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=False)  # refused, must not keep it out
+        try:
+            op = self._prepare(op, run, sub.owner, infos)
+        except BiosAPIError as exc:
+            return Refused(request_id, model_id, seq_id, op, exc, consumes_seq=True)
+        return Fresh(request_id, model_id, seq_id, op)
+
+    # ------------------------------------------------------------------------------------ sampling
+
+    def _admit_sample(self, sub: Submit, samplers: Mapping[str, Sampler],
+                      infos: Mapping[str, t.BaseModelInfo]) -> Verdict:
+        op: m.Sample = sub.op
+        request_id = ids.request_id(op.sampling_session_id, op.seq_id)
+        sampler = samplers.get(op.sampling_session_id)
+        known = (sampler.owner,) if sampler is not None else self.store.get_sampling_session(op.sampling_session_id)
+        if known is not None and known[0] != sub.owner:
+            raise _no_sampler(op.sampling_session_id)
+        stored = self.store.get_request(request_id)
+        if stored is not None:
+            return Repeat(stored)
+        if sampler is None or sampler.owner != sub.owner:
+            raise _no_sampler(op.sampling_session_id)
+        self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=True)
+        try:
+            spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params,
+                              self._limits(sampler.base_model, infos))
+            max_tokens = op.sampling_params.max_tokens or 1
+            self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
+        except BiosAPIError as exc:
+            return Refused(request_id, op.sampling_session_id, op.seq_id, op, exc, consumes_seq=False)
+        # only the coordinator names the weights a sample uses: a client's adapter_state never reaches a worker
+        op = dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path,
+                                 adapter_state=None)
+        return Fresh(request_id, op.sampling_session_id, op.seq_id, op)
+
+    # ------------------------------------------------------------------------------------ runs
+
+    def _check_owner(self, model_id: str, owner: str, runs: Mapping[str, Run]) -> None:
+        """NotFoundError for a run of another key, before anything (even a stored result) is revealed about it."""
+        run = runs.get(model_id)
+        if run is not None:
+            stored_owner = run.owner
+        else:
+            stored = self.store.get_run(model_id)
+            stored_owner = stored.owner if stored is not None else self._session_owner(model_id, owner)
+        if stored_owner != owner:
+            raise _no_run(model_id)
+
+    def _session_owner(self, model_id: str, default: str) -> str:
+        """Who may see the log of a run id with no run (a creation that was refused): its session's owner."""
+        try:
+            session_id = ids.session_of(model_id)
+        except BadRequestError:
+            return default
+        return self.store.session_owner(session_id) or default
+
+    def _prepare_run(self, model_id: str, op: m.CreateModel, owner: str,
+                     runs: Mapping[str, Run]) -> tuple[m.CreateModel, PlanChoice]:
+        if self.store.session_owner(op.session_id) != owner:
+            raise NotFoundError(f"no session {op.session_id!r}: create runs through a ServiceClient",
+                                field="session_id")
+        if model_id in runs:
+            raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
+        if op.from_path is not None:
+            state = self.catalog.load(op.from_path, owner, field="path")
+            meta = state.metadata
+            lora = t.LoraConfig(rank=int(meta["rank"]), seed=meta.get("seed"),
+                                train_unembed=bool(meta.get("train_unembed", True)),
+                                train_mlp=bool(meta.get("train_mlp", True)),
+                                train_attn=bool(meta.get("train_attn", True)))
+            op = dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
+        elif op.state is not None:  # starting weights come from the caller's own checkpoints only
+            op = dataclasses.replace(op, state=None)
+        spec.check_lora(op.lora)
+        if not isinstance(op.base_model, str) or not op.base_model:
+            raise BadRequestError("base_model is empty: name a model (see `bios models list`)", field="base_model")
+        if op.lora.seed is None:  # one seed for every replica, so they agree from the first step
+            op = dataclasses.replace(op, lora=dataclasses.replace(op.lora, seed=secrets.randbits(63)))
+        same_base = sum(1 for run in runs.values() if run.base_model == op.base_model)
+        held = sum(1 for run in runs.values() if run.status == "ready")
+        return op, self.planner.choose(op.base_model, op.lora, adapters=same_base, live_runs=held)
+
+    def _prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
+        """Check a request against the spec and its run; fill in what only the coordinator knows."""
+        if isinstance(op, m.ForwardBackward):
+            self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
+            spec.check_forward(op.data, op.loss_fn, op.loss_fn_config,
+                               run.info or self._limits(run.base_model, infos))
+        elif isinstance(op, m.OptimStep):
+            spec.check_adam(op.adam_params)
+        elif isinstance(op, m.SaveWeights):
+            name = op.name if op.name is not None else f"{op.seq_id:06d}-{uuid.uuid4().hex[:8]}"
+            check_name(name)
+            path = CheckpointPath(run.model_id, op.kind, name)
+            self.catalog.check_free(path, overwrite=op.overwrite or op.kind == "sampler_weights")
+            return dataclasses.replace(op, name=name, path=str(path))
+        elif isinstance(op, m.LoadWeights):
+            state = self.catalog.load(op.path, owner)
+            if state.metadata.get("base_model") != run.base_model:
+                raise BadRequestError(f"checkpoint {op.path} is for base model {state.metadata.get('base_model')}, "
+                                      f"but run {run.model_id} trains {run.base_model}", field="path")
+            if op.optimizer and state.optimizer is None:
+                raise BadRequestError(f"{op.path} holds no optimizer state (it is a sampler checkpoint); "
+                                      "use load_state instead", field="path")
+            return dataclasses.replace(op, state=state)
+        return op
+
+    def _limits(self, base_model: str, infos: Mapping[str, t.BaseModelInfo]) -> spec.ModelLimits | None:
+        """A base model's vocabulary and context: as a worker reported them, else from its config.json here."""
+        return infos.get(base_model) or _config_limits(base_model)
+
+
+@lru_cache(maxsize=64)
+def _config_limits(base_model: str) -> spec.Limits | None:
+    try:
+        shape = model_shape(base_model)
+    except BadRequestError:  # a config the planner cannot read: the workers check it, item by item
+        return None
+    if shape is None or shape.max_context_length is None:
+        return None
+    return spec.Limits(base_model, shape.vocab_size, int(shape.max_context_length))
+
+
+def run_for(runs: Mapping[str, Run], model_id: str, owner: str | None) -> Run:
+    """The caller's live run `model_id`; NotFoundError for none or another key's, BadRequestError if lost."""
+    run = runs.get(model_id)
+    if run is None or (owner is not None and run.owner != owner):
+        raise _no_run(model_id)
+    if run.status == "lost":
+        raise BadRequestError(f"training run {model_id} was lost: {run.lost_reason}", field="model_id")
+    return run
+
+
+def _no_run(model_id: str) -> NotFoundError:
+    return NotFoundError(f"no training run {model_id!r}; create one with create_lora_training_client",
+                         field="model_id")
+
+
+def _no_sampler(sampling_session_id: str) -> NotFoundError:
+    return NotFoundError(f"no sampling session {sampling_session_id!r}; create one with create_sampling_client",
+                         field="sampling_session_id")

@@ -1,0 +1,109 @@
+"""The coordinator's one front door: sessions, request submission and queries, for every client front end.
+
+The native ZeroMQ endpoint and the Tinker HTTP gateway both come in here, so a request means the same whichever
+way it arrives, and neither touches the store or the scheduler's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bios import messages as m
+from bios.actors.actor import ActorRef
+from bios.exceptions import BadRequestError, NotFoundError
+from bios.security.limits import QuotaLedger
+from bios.transport.codec import Codec, Envelope
+from bios.transport.sockets import next_message_id
+
+from . import scheduler as sched
+from .admission import Submit
+from .queries import QUERY_TYPES as READ_QUERIES
+from .queries import Queries
+from .store import Store
+
+LOCAL_OWNER = "local"
+
+
+class FrontDoor:
+    def __init__(self, store: Store, scheduler: ActorRef, queries: Queries, ledger: QuotaLedger, codec: Codec,
+                 capabilities: Callable[[], Any], status: Callable[[], Awaitable[m.ClusterStatus]]) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.queries = queries
+        self.ledger = ledger
+        self.codec = codec
+        self.capabilities = capabilities
+        self.status = status
+
+    # ------------------------------------------------------------------------------------ sessions
+
+    def open_session(self, owner: str = LOCAL_OWNER) -> str:
+        session_id = uuid.uuid4().hex[:16]
+        self.store.add_session(session_id, owner)
+        return session_id
+
+    def owns_session(self, session_id: str, owner: str) -> bool:
+        return self.store.session_owner(session_id) == owner
+
+    def check_session(self, session_id: str, owner: str) -> None:
+        if not self.owns_session(session_id, owner):
+            raise NotFoundError(f"unknown session {session_id!r}; create one with a ServiceClient",
+                                field="session_id")
+
+    def heartbeat(self, session_id: str, owner: str) -> bool:
+        """False when the session was closed."""
+        self.check_session(session_id, owner)
+        return self.store.touch_session(session_id)
+
+    def close_session(self, session_id: str, owner: str) -> None:
+        self.check_session(session_id, owner)
+        self.store.close_session(session_id)
+
+    def sessions(self, owner: str) -> list[str]:
+        return self.queries.sessions(owner)
+
+    def runs_of_session(self, session_id: str, owner: str) -> list[str]:
+        self.check_session(session_id, owner)
+        return self.queries.runs_of_session(session_id, owner)
+
+    def run_ids(self, owner: str) -> list[str]:
+        return self.queries.run_ids(owner)
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def submit(self, peer: bytes, op: Any, owner: str = LOCAL_OWNER,
+               frames: list[bytes] | None = None) -> asyncio.Future[Any]:
+        """Admit a request (validated, stored, ordered); resolves to `Accepted`, or the error that refused it.
+
+        RateLimitError, before anything else, if the key already has too many requests arriving."""
+        if frames is None:
+            frames = [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), op))]
+        self.ledger.arrive(owner)
+        future = self.scheduler.ask_future(Submit(peer, owner, op, frames))
+        future.add_done_callback(lambda _f: self.ledger.arrived(owner))
+        return future
+
+    def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
+        """Answer a query (GetInfo, sampling sessions, listings, capabilities, status) for `owner`."""
+        if isinstance(body, sched.QUERY_TYPES):
+            return self.scheduler.ask_future(sched.Query(owner, body))
+        if isinstance(body, READ_QUERIES):
+            return _ready(self.queries.answer(owner, body))
+        if isinstance(body, m.GetServerCapabilities):
+            return _ready(self.capabilities())
+        if isinstance(body, m.GetClusterStatus):
+            return asyncio.ensure_future(self.status())
+        raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
+
+    @staticmethod
+    def is_query(body: Any) -> bool:
+        return isinstance(body, (*sched.QUERY_TYPES, *READ_QUERIES, m.GetServerCapabilities, m.GetClusterStatus))
+
+
+def _ready(value: Any) -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future

@@ -1,0 +1,108 @@
+"""How the pool holds its base models: each one's memory plan and the pool's tensor-parallel size.
+
+`choose` decides and changes nothing, so admission can refuse a run with the planner's reason and leave no
+trace; the scheduler `adopt`s a choice once the run is accepted and `forget`s a base model no run uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bios import messages as m
+from bios import types as t
+from bios.exceptions import BadRequestError
+from bios.models.memory_plan import Plan, choose_plan, model_shape
+
+log = logging.getLogger(__name__)
+
+Workers = Callable[[], list[Any]]  # the live workers (membership Members: memory_bytes, runtime_bytes, device)
+
+# Plans are sized for forward/backward passes of at most this many (padded) tokens; workers split bigger
+# batches into passes of this size, so a plan holds whatever the batch.
+PLAN_TOKENS_PER_PASS = 4096
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    base_model: str
+    plan: Plan | None  # None: not planned (no config here, or no worker yet)
+    note: str
+    tp: int
+    waiting: t.LoraConfig | None = None  # planned again once workers join
+
+
+class PoolPlanner:
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+        self.plans: dict[str, Plan | None] = {}
+        self.notes: dict[str, str] = {}  # base model -> the plan and estimate, or why there is none
+        self.tp = 1  # grows when a model needs it, never shrinks under live runs
+        self.waiting: dict[str, t.LoraConfig] = {}  # base models whose runs came before any worker
+
+    def choose(self, base_model: str, lora: t.LoraConfig, *, adapters: int, live_runs: int) -> PlanChoice:
+        """The plan of `base_model` with one adapter more; BadRequestError when none fits.
+
+        `adapters`: runs of this base model already there; `live_runs`: runs of the pool whose adapters are
+        held (split the pool's current way, which cannot change under them).
+        """
+        shape = model_shape(base_model)
+        if shape is None:
+            return PlanChoice(base_model, None, "replicate (not planned: the coordinator cannot read its "
+                                                "config.json)", self.tp)
+        workers = self.workers()
+        if not workers:
+            return PlanChoice(base_model, None, "waiting for workers to plan", self.tp, waiting=lora)
+        overheads = [worker.runtime_bytes for worker in workers if worker.runtime_bytes]
+        plan = choose_plan(
+            shape, min(worker.memory_bytes for worker in workers), lora_rank=lora.rank,
+            batch_tokens=PLAN_TOKENS_PER_PASS, workers=len(workers), num_adapters=adapters,
+            device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
+            allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
+            model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
+        )
+        tp = max(self.tp, plan.tp)
+        for other, other_plan in {**self.plans, base_model: plan}.items():
+            problem = model_shape(other).tensor_parallel_problem(tp) if other_plan is not None and tp > 1 else None
+            if problem:
+                raise BadRequestError(
+                    f"{base_model} needs {plan.name} but the pool already splits its models over {self.tp} "
+                    f"workers and {other} cannot be split over {tp}: {problem}", field="base_model")
+        if tp != self.tp and live_runs:
+            # Live adapters are split the pool's current way; re-splitting them is not implemented, and
+            # another user's run must never be lost to this one's plan.
+            raise BadRequestError(
+                f"{base_model} needs {plan.name}, which would split every base model of the pool over {tp} "
+                f"workers, but the pool holds {live_runs} live run(s) split over {self.tp}; re-splitting live "
+                f"runs is not supported: create this run when they are done, or serve {base_model} from another "
+                f"cluster", field="base_model")
+        return PlanChoice(base_model, plan, plan.describe(), tp)
+
+    def adopt(self, choice: PlanChoice) -> None:
+        self.plans[choice.base_model] = choice.plan
+        self.notes[choice.base_model] = choice.note
+        if choice.waiting is not None:
+            self.waiting[choice.base_model] = choice.waiting
+        if choice.tp != self.tp:
+            log.info("the pool now splits base models over %d workers: %s needs %s", choice.tp,
+                     choice.base_model, choice.plan.name if choice.plan else "it")
+        self.tp = choice.tp
+
+    def forget(self, base_model: str) -> None:
+        """No run uses `base_model` any more: drop its plan and its line in `bios status`."""
+        self.plans.pop(base_model, None)
+        self.notes.pop(base_model, None)
+        self.waiting.pop(base_model, None)
+
+    def take_waiting(self) -> dict[str, t.LoraConfig]:
+        """The base models to plan now that workers are here (none while there are none)."""
+        if not self.workers():
+            return {}
+        waiting, self.waiting = self.waiting, {}
+        return waiting
+
+    def model_plans(self) -> list[m.ModelPlan]:
+        return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens)
+                for name, plan in self.plans.items() if plan is not None]

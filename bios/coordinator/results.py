@@ -1,0 +1,71 @@
+"""Result routing: every answer is written to the request log before it is pushed to the peers waiting for it.
+
+So a resubmitted (target, seq_id) is answered from the log, and a peer that asks again while the request runs
+is added to its waiters rather than running it twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from bios import messages as m
+from bios.actors.remote import RemoteError
+from bios.exceptions import ERROR_TYPES, BadRequestError
+from bios.security.limits import QuotaLedger
+from bios.transport.codec import Codec, Envelope
+from bios.transport.sockets import next_message_id
+
+from .admission import Refused
+from .metrics import CoordinatorMetrics
+from .store import Store, StoredRequest
+
+Push = Callable[[bytes, list[Any]], Awaitable[None]]
+
+
+class ResultRouter:
+    def __init__(self, store: Store, codec: Codec, push: Push, ledger: QuotaLedger,
+                 metrics: CoordinatorMetrics) -> None:
+        self.store = store
+        self.codec = codec
+        self.push = push
+        self.ledger = ledger
+        self.metrics = metrics
+        self.waiters: dict[str, set[bytes]] = {}
+
+    def wait(self, request_id: str, peer: bytes) -> None:
+        self.waiters.setdefault(request_id, set()).add(peer)
+
+    async def repeat(self, peer: bytes, stored: StoredRequest) -> m.Accepted:
+        """A resubmission: the stored answer (or the stored refusal, raised again), or a wait for the result."""
+        if stored.status == "rejected":
+            error = self.codec.decode(stored.result).body.error
+            raise ERROR_TYPES.get(error.type, BadRequestError)(error.message, field=error.field,
+                                                               request_id=stored.request_id)
+        if stored.result is not None:
+            await self.push(peer, stored.result)
+        else:
+            self.wait(stored.request_id, peer)
+        return m.Accepted(stored.request_id)
+
+    def refuse(self, refused: Refused) -> None:
+        """Record a refusal, so a resubmission of the same seq_id gets the same error."""
+        exc = refused.error
+        exc.request_id = refused.request_id
+        frames = self.encode(m.RequestDone(refused.request_id, error=RemoteError.from_exception(exc)))
+        self.store.add_rejected(refused.request_id, refused.target, refused.seq_id, type(refused.op).__name__,
+                                frames)
+        self.metrics.request_rejected(refused.request_id, refused.op, exc.message)
+
+    async def deliver(self, request_id: str, op: Any, result: Any, error: RemoteError | None,
+                      cycle_id: int = 0) -> None:
+        """Log the outcome of an accepted request, then answer everyone waiting for it."""
+        self.metrics.request_finished(request_id, op, result, error)
+        frames = self.encode(m.RequestDone(request_id, result, error, cycle_id))
+        self.store.finish_request(request_id, "failed" if error else "done", frames)
+        self.ledger.release(request_id)
+        for peer in self.waiters.pop(request_id, ()):
+            await self.push(peer, frames)
+
+    def encode(self, done: m.RequestDone) -> list[bytes]:
+        return [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), done))]
