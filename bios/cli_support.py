@@ -1,8 +1,21 @@
-"""One help style for every Bios command: each option's default shown, unless it has none to show."""
+"""What every Bios command shares: one help style, the error that ends a command with one line of advice, and
+the arguments several commands take (a state dir, a memory size)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+USAGE_EXIT = 2  # as argparse: the command line itself is wrong
+
+
+class CommandError(Exception):
+    """A failure the user can act on: `bios` prints the message (no traceback) and exits with `exit_code`."""
+
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -12,3 +25,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or action.default == "":
             return action.help
         return super()._get_help_string(action)
+
+
+def add_state_dir(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--state-dir`, defaulting to $BIOS_STATE_DIR or ./bios-state, as the coordinator's own."""
+    parser.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")),
+                        help=f"{what} ($BIOS_STATE_DIR)")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """`2GiB`, `512MiB`, `1.5GB`, `3000000000` -> bytes."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if value <= 0 or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 2GiB, 512MiB or 1500000000")
+    return int(value * _SIZE_UNITS[unit])

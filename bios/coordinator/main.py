@@ -17,7 +17,7 @@ from pathlib import Path
 import zmq
 
 from bios.actors import loop as event_loop
-from bios.cli_format import HelpFormatter
+from bios.cli_support import HelpFormatter, add_state_dir
 from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError
 
@@ -37,8 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=HelpFormatter)
     p.add_argument("--listen", default="tcp://127.0.0.1:7600", help="client address (port 0 picks a free one)")
     p.add_argument("--worker-port", type=int, default=None, help="worker port (default: the client port + 1)")
-    p.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")),
-                   help="SQLite store, keys and checkpoints ($BIOS_STATE_DIR)")
+    add_state_dir(p, "SQLite store, keys and checkpoints")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
     p.add_argument("--checkpoint-every", type=int, default=0,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from bios.models.cache import dir_size, is_model_dir, model_dir_for, models_dir
 from bios.models.catalog import ALIASES, BUILTIN_MODELS, PULLABLE_MODELS
+from bios.models.param_count import count_parameters as count_config_parameters
 from bios.types import BaseModelInfo
 
 if TYPE_CHECKING:
@@ -207,25 +208,24 @@ def count_parameters(config: PreTrainedConfig) -> int:
 def list_models() -> list[ModelEntry]:
     """Built-ins, pullable models, mapped names and any other model directories in the cache.
 
-    Nothing is written or pulled: models not yet on disk have no directory or size.
+    Nothing is written or pulled: models not yet on disk have no directory or size. Parameters are counted
+    from each `config.json` (`param_count`), so listing imports neither torch nor Transformers.
     """
-    from transformers import AutoConfig
 
-    from bios.models.builtin import builtin_config
-
-    def entry(name: str, kind: ModelKind, directory: Path | None, config: PreTrainedConfig | None) -> ModelEntry:
+    def entry(name: str, kind: ModelKind, directory: Path | None, config: dict | None) -> ModelEntry:
         present = directory is not None and is_model_dir(directory)
         if present and config is None:
-            config = AutoConfig.from_pretrained(directory, local_files_only=True)
+            config = json.loads((directory / "config.json").read_text())
         return ModelEntry(
             name=name,
             kind=kind,
             local_dir=str(directory) if present else None,
             size_bytes=dir_size(directory) if present else None,
-            num_parameters=count_parameters(config) if config is not None else None,
+            num_parameters=count_config_parameters(config) if config is not None else None,
         )
 
-    entries = [entry(n, "builtin", model_dir_for(n), builtin_config(BUILTIN_MODELS[n])) for n in BUILTIN_NAMES]
+    entries = [entry(n, "builtin", model_dir_for(n), {"model_type": spec.model_type, **spec.config})
+               for n, spec in BUILTIN_MODELS.items()]
     entries += [entry(n, "pulled", model_dir_for(n), None) for n in PULLABLE_NAMES]
     for name in model_map():
         try:

@@ -1,27 +1,20 @@
-"""`bios up` (a local cluster in the foreground) and `bios status` (what a cluster is doing)."""
+"""Commands against a running cluster: `bios status`, `runs list`, `checkpoints list`, `checkpoint export`."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 
-from .local_cluster import LocalCluster
+from bios.cli_support import CommandError
+
+from .address import AddressError, explain_unreachable, normalize_address
 from .service import ServiceClient
+
+CONNECT_TIMEOUT_S = 3.0  # with the probe and the process's start, a silent address is reported within 5 s
 
 
 def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
-    up = subparsers.add_parser("up", help="run a coordinator and N workers on this machine until Ctrl-C")
-    up.add_argument("--workers", type=int, default=1)
-    up.add_argument("--listen", default="tcp://127.0.0.1:7600")
-    up.add_argument("--cycle-s", type=float, default=0.0, help="seconds between cycles (0 = back-to-back)")
-    up.add_argument("--state-dir", default="bios-state")
-    up.add_argument("--worker-threads", type=int, default=None)
-    up.add_argument("--model-map", default=None, metavar="FILE",
-                    help="JSON map of model names (e.g. Qwen/Qwen3-8B-Base) to local model directories")
-    up.set_defaults(func=run_up)
-
     status = subparsers.add_parser("status", help="workers, generation, queue depth and cycles of a cluster")
     _connection_args(status)
     status.set_defaults(func=run_status)
@@ -51,40 +44,37 @@ def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _connection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=os.environ.get("BIOS_ADDRESS", "tcp://127.0.0.1:7600"))
-    parser.add_argument("--api-key", default=os.environ.get("BIOS_API_KEY"))
+    parser.add_argument("--address", type=_address, default=os.environ.get("BIOS_ADDRESS", "tcp://127.0.0.1:7600"),
+                        help="the coordinator's client address, tcp://HOST:PORT (default: $BIOS_ADDRESS, else "
+                             "tcp://127.0.0.1:7600)")
+    parser.add_argument("--api-key", help="your API key, from `bios keys create` (default: $BIOS_API_KEY)")
 
 
-def run_up(args: argparse.Namespace) -> int:
-    env = {"BIOS_MODEL_MAP": os.path.abspath(args.model_map)} if args.model_map else None
-    cluster = LocalCluster(workers=args.workers, listen=args.listen, cycle_s=args.cycle_s,
-                           state_dir=args.state_dir, worker_threads=args.worker_threads, env=env)
-    cluster.start()
-    print(f"bios cluster up: clients connect to {cluster.address} ({args.workers} worker(s), "
-          f"state in {args.state_dir}); Ctrl-C stops it", flush=True)
-    stop = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+def _address(text: str) -> str:
     try:
-        while not stop and cluster.coordinator is not None and cluster.coordinator.poll() is None:
-            time.sleep(0.2)
-    finally:
-        cluster.stop()
-    return 0
+        return normalize_address(text)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _client(args: argparse.Namespace) -> ServiceClient:
+    """A client of the cluster at --address, or a one-line error within a few seconds when there is none."""
+    not_bios = explain_unreachable(args.address)
+    if not_bios:
+        raise CommandError(not_bios)
+    return ServiceClient(address=args.address, api_key=args.api_key or os.environ.get("BIOS_API_KEY"),
+                         connect_timeout_s=CONNECT_TIMEOUT_S)
 
 
 def run_status(args: argparse.Namespace) -> int:
-    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+    with _client(args) as client:
         status = client.cluster_status()
     busy = status.busy_s / status.uptime_s if status.uptime_s else 0.0
     print(f"coordinator {args.address}: generation {status.generation}, {status.runs} run(s), "
           f"{status.queue_depth} queued request(s)")
-    print(f"cycles: {status.cycles_run} run, cycle_s={status.cycle_s:g}, busy {busy:.0%} of {status.uptime_s:.0f}s")
+    clock = "back to back" if status.cycle_s == 0 else f"every {status.cycle_s:g}s"
+    print(f"cycles: {status.cycles_run} run, {clock} (cycle_s={status.cycle_s:g}), busy {busy:.0%} of "
+          f"{status.uptime_s:.0f}s")
     print(f"{'worker':<28} {'state':<8} {'device':<8} {'pid':>7}  host  heartbeat")
     for w in status.workers:
         print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
@@ -94,7 +84,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_runs_list(args: argparse.Namespace) -> int:
-    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+    with _client(args) as client:
         page = client.create_rest_client().list_training_runs(limit=args.limit).result()
     print(f"{'run':<36} {'base model':<36} {'rank':>4}  {'last request':<19}  last checkpoint")
     for run in page.training_runs:
@@ -106,7 +96,7 @@ def run_runs_list(args: argparse.Namespace) -> int:
 
 
 def run_checkpoints_list(args: argparse.Namespace) -> int:
-    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+    with _client(args) as client:
         listing = client.create_rest_client().list_checkpoints(args.run_id).result()
     print(f"{'path':<70} {'type':<8} {'size':>10}  created")
     for ckpt in listing.checkpoints:
@@ -116,7 +106,7 @@ def run_checkpoints_list(args: argparse.Namespace) -> int:
 
 
 def run_checkpoint_export(args: argparse.Namespace) -> int:
-    with ServiceClient(address=args.address, api_key=args.api_key, connect_timeout_s=5) as client:
+    with _client(args) as client:
         out = client.create_rest_client().export_checkpoint(args.path, args.out_dir, merged=args.merged)
     print(f"wrote {'a merged model' if args.merged else 'a PEFT adapter'} to {out}")
     return 0

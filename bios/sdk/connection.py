@@ -29,6 +29,8 @@ from bios.security.keys import ApiKey
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer
 
+from .address import explain_unreachable, normalize_address
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -53,7 +55,7 @@ def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPI
 
 class Connection:
     def __init__(self, address: str, api_key: str | None, *, connect_timeout_s: float = 30.0) -> None:
-        self.address = address
+        self.address = normalize_address(address)
         self._loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bios-sdk", daemon=True)
         self._thread.start()
@@ -86,17 +88,21 @@ class Connection:
             await self._remote.close()
             self._ctx.term()
             if isinstance(exc, asyncio.TimeoutError):
-                raise exceptions.APIConnectionError(f"no Bios coordinator answered at {self.address} within "
-                                                    f"{timeout:.0f}s; is bios-coordinator running?") from None
+                raise exceptions.APIConnectionError(explain_unreachable(self.address) or (
+                    f"no Bios coordinator answered at {self.address} within {timeout:.0f}s; is bios-coordinator "
+                    "running?")) from None
             if isinstance(exc, RemoteCallError):
                 raise to_exception(exc.error) from None
             raise
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat(welcome.session_id))
         return welcome
 
-    def _refused(self, reason: str, api_key: str | None) -> exceptions.AuthenticationError:
+    def _refused(self, reason: str, api_key: str | None) -> exceptions.BiosAPIError:
         """Why the coordinator refused the encrypted handshake, as something the user can fix."""
         where = f"the coordinator at {self.address}"
+        not_bios = explain_unreachable(self.address) if reason != REFUSED else None
+        if not_bios:  # an HTTP server hangs up on the handshake too
+            return exceptions.APIConnectionError(not_bios)
         if api_key is None:  # a keyless coordinator never refuses a plain handshake
             message = f"{where} requires an API key: pass ServiceClient(api_key=...) or set BIOS_API_KEY"
         elif reason == MECHANISM_MISMATCH:

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,12 @@ from bios import exceptions
 from bios.security.keys import KeyStore
 
 _PR_SET_PDEATHSIG = 1
+# "2026-01-01 12:00:00,000 coordinator ERROR bios.coordinator.main: message", as the daemons log in text
+_TEXT_LOG = re.compile(r"^\S+ \S+ \S+ [A-Z]+ \S+: (.*)$")
+
+
+class ClusterStartError(exceptions.APIConnectionError):
+    """The coordinator exited while starting; the message names the reason its log gives and the log file."""
 
 
 def _die_with_parent() -> None:
@@ -49,6 +56,8 @@ class LocalCluster:
         http: str | None = None,
         metrics: str | None = None,
         checkpoint_every: int = 0,
+        keep_checkpoints: int = 2,
+        log_format: str = "text",
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
         worker_memory_limit: str | int | None = None,
@@ -64,6 +73,8 @@ class LocalCluster:
         self.log_level = log_level
         self.http = http
         self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        self.log_format = log_format  # the coordinator's log: "text" or "json"
         self.http_url: str | None = None
         self.metrics = metrics
         self.metrics_url: str | None = None  # http://HOST:PORT/metrics once started with `metrics`
@@ -90,6 +101,8 @@ class LocalCluster:
                 "--ready-file", str(ready),
                 "--log-level", self.log_level,
                 "--checkpoint-every", str(self.checkpoint_every),
+                "--keep-checkpoints", str(self.keep_checkpoints),
+                "--log-format", self.log_format,
                 *(["--http", self.http] if self.http else []),
                 *(["--metrics", self.metrics] if self.metrics else []),
             ],
@@ -97,7 +110,8 @@ class LocalCluster:
         deadline = time.monotonic() + self.start_timeout_s
         while not ready.exists():
             if self.coordinator.poll() is not None:
-                raise exceptions.APIConnectionError(f"the coordinator exited at start:\n{self.log_tail('coordinator')}")
+                raise ClusterStartError(f"the coordinator exited at start: {self.last_error('coordinator')} "
+                                        f"(log: {self.log_path('coordinator')})")
             if time.monotonic() > deadline:
                 self.stop()
                 raise exceptions.TimeoutError(f"the coordinator did not start within {self.start_timeout_s:.0f}s")
@@ -156,9 +170,12 @@ class LocalCluster:
 
     # ------------------------------------------------------------------------------------ helpers
 
+    def log_path(self, name: str) -> Path:
+        """Where the child `name` (`coordinator`, `worker-0`, ...) writes its output."""
+        return self.state_dir / f"{name}.log"
+
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log_path = self.state_dir / f"{name}.log"
-        with open(log_path, "ab") as log_file:
+        with open(self.log_path(name), "ab") as log_file:
             return subprocess.Popen(
                 [sys.executable, *args],
                 stdin=subprocess.DEVNULL,
@@ -169,7 +186,23 @@ class LocalCluster:
             )
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        path = self.state_dir / f"{name}.log"
+        path = self.log_path(name)
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def last_error(self, name: str) -> str:
+        """The message of the last ERROR line of a child's log (its own words for why it stopped), else its last
+        line."""
+        lines = [line.strip() for line in self.log_tail(name, 200).splitlines() if line.strip()]
+        errors = [line for line in lines if " ERROR " in line or '"level": "error"' in line]
+        return _message((errors or lines or ["(empty log)"])[-1])
+
+
+def _message(line: str) -> str:
+    """A log line without its time, process, level and logger: text (`_TEXT_LOG`) or JSON (`msg`)."""
+    if line.startswith("{"):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return str(json.loads(line)["msg"])
+    match = _TEXT_LOG.match(line)
+    return match.group(1) if match else line

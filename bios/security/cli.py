@@ -7,11 +7,11 @@ coordinator runs take effect at once (the store is shared SQLite).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from bios.cli_support import HelpFormatter, add_state_dir
 from bios.exceptions import NotFoundError
 
 from .keys import TINKER_PREFIX, KeyStore
@@ -22,9 +22,8 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     commands = parser.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")),
-                         help="the coordinator's state dir (default: $BIOS_STATE_DIR or ./bios-state)")
+        sub = commands.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+        add_state_dir(sub, "the coordinator's state dir")
         return sub
 
     command("init", "create the cluster's secrets; from then on the coordinator requires keys").set_defaults(

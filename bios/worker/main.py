@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from bios.cli_format import HelpFormatter
+from bios.cli_support import HelpFormatter, parse_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,23 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "splits a model that does not fit over several workers (tensor parallelism)")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"), help="($BIOS_LOG_LEVEL)")
     return p.parse_args(argv)
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-               "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """`2GiB`, `512MiB`, `1.5GB`, `3000000000` -> bytes."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].lower()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if value <= 0 or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 2GiB, 512MiB or 1500000000")
-    return int(value * _SIZE_UNITS[unit])
 
 
 async def run(args: argparse.Namespace) -> None:
