@@ -3,10 +3,15 @@
 A Bios checkpoint already stores the LoRA matrices under PEFT's key names with PEFT's scaling convention
 (`lora_alpha / r`), so a PEFT adapter directory is the tensors plus an `adapter_config.json`; a merged model
 is the base model with that adapter folded into its weights.
+
+An adapter names its base model the way vLLM and PEFT users look it up: by its Hugging Face hub id when it has
+one (SmolLM2, any name mapped to a local directory), else by the local directory. The directory the exporting
+host resolved goes into `bios-export.json` beside it: PEFT warns about keys it does not know in its own config.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,26 +19,45 @@ import numpy as np
 
 from bios.messages import CheckpointState
 from bios.models.cache import save_model_files
+from bios.models.registry import BUILTIN_NAMES, PULLABLE_NAMES, canonical_name, model_map
 
 if TYPE_CHECKING:
     import peft
 
 _FORMAT = "bios-lora"
 _NEEDED_METADATA = ("format", "arch", "rank", "lora_alpha", "target_modules")
+EXPORT_INFO = "bios-export.json"
 
 
-def write_peft_adapter(state: CheckpointState, out_dir: Path, *, base_model_dir: str) -> Path:
-    """Write `adapter_config.json` and `adapter_model.safetensors` into `out_dir`; returns `out_dir`.
+def hub_model_id(name: str) -> str | None:
+    """The Hugging Face hub id base model `name` stands for: a pulled model's, or a mapped `org/name`; None for
+    built-ins and directories, which have none."""
+    name = canonical_name(name)
+    if name in PULLABLE_NAMES:
+        return name
+    if name in BUILTIN_NAMES or name not in model_map():
+        return None
+    org, _, repo = name.partition("/")
+    return name if org and repo and "/" not in repo and not name.startswith((".", "~")) else None
 
-    `peft.PeftModel.from_pretrained(base, out_dir)` loads the result; `base_model_dir` (the base model's
-    local directory, `bios models path NAME`) becomes its `base_model_name_or_path`.
+
+def write_peft_adapter(state: CheckpointState, out_dir: Path, *, base_model_dir: str,
+                       base_model: str | None = None) -> Path:
+    """Write `adapter_config.json`, `adapter_model.safetensors` and `bios-export.json` into `out_dir`.
+
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads the result. Its `base_model_name_or_path` is the hub id
+    of `base_model` when it has one, else `base_model_dir` (the base model's local directory, `bios models path
+    NAME`); `bios-export.json` records both names and that directory. Returns `out_dir`.
     """
     from safetensors.numpy import save_file
 
-    config = _lora_config(state, base_model_dir)
+    hub_id = hub_model_id(base_model) if base_model else None
+    config = _lora_config(state, hub_id or base_model_dir)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out_dir))
+    info = {"base_model": base_model, "hub_model_id": hub_id, "base_model_dir": base_model_dir}
+    (out_dir / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     tensors = {key: np.ascontiguousarray(value, dtype=np.float32) for key, value in state.adapter.items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out_dir

@@ -76,4 +76,5 @@ class RestClient:
         base_model = str(state.metadata["base_model"])
         if merged:
             return write_merged_model(state, Path(out_dir), base_model=base_model)
-        return write_peft_adapter(state, Path(out_dir), base_model_dir=str(resolve_model_dir(base_model)))
+        return write_peft_adapter(state, Path(out_dir), base_model_dir=str(resolve_model_dir(base_model)),
+                                  base_model=base_model)
