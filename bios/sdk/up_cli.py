@@ -226,15 +226,22 @@ def run_logs(args: argparse.Namespace) -> int:
         raise CommandError(f"no {name} log in {args.state_dir}" + (
             f"; there are: {', '.join(present)}" if present else
             ": `bios logs` reads the logs of a cluster started with `bios up --state-dir` that directory"))
+    try:
+        _print_log(path, args.tail, args.follow)
+    except KeyboardInterrupt:  # how one stops following
+        pass
+    return 0
+
+
+def _print_log(path: Path, tail: int | None, follow: bool) -> None:
     with open(path, "rb") as log_file:
         lines = log_file.read().splitlines(keepends=True)
-        sys.stdout.buffer.write(b"".join(lines[-args.tail:] if args.tail else lines))
+        sys.stdout.buffer.write(b"".join(lines[-tail:] if tail else lines))
         sys.stdout.flush()
-        while args.follow:
+        while follow:
             more = log_file.read()
             if more:
                 sys.stdout.buffer.write(more)
                 sys.stdout.flush()
             else:
                 time.sleep(0.2)
-    return 0
