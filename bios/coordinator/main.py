@@ -24,7 +24,6 @@ from bios.security.listen import InsecureListenError
 from .metrics import JsonLogFormatter, serve_metrics
 from .server import Coordinator, CoordinatorConfig
 
-
 log = logging.getLogger(__name__)
 
 

@@ -33,7 +33,8 @@ def normalize_address(address: str) -> str:
         )
     host, colon, port = rest.rpartition(":")
     if scheme != "tcp" or not colon or not host or not port.isdigit():
-        raise AddressError(f"{address!r} is not a coordinator address: write tcp://HOST:PORT, e.g. tcp://127.0.0.1:7600")
+        raise AddressError(f"{address!r} is not a coordinator address: write tcp://HOST:PORT, "
+                           "e.g. tcp://127.0.0.1:7600")
     return f"tcp://{host}:{port}"
 
 
