@@ -15,6 +15,7 @@ import sys
 
 import datasets
 import pytest
+import tinker
 from tinker_cookbook import tokenizer_utils
 from tinker_cookbook.recipes import rl_loop, sl_loop
 from transformers import AutoTokenizer
@@ -95,6 +96,10 @@ def test_sl_loop_runs_to_completion(cluster, recipe_env, monkeypatch, tmp_path):
     assert final["state_path"].endswith("/weights/final") and final["sampler_path"].endswith("/sampler_weights/final")
 
 
+class _SeededSamplingParams(tinker.types.SamplingParams):
+    seed: int | None = 20250101
+
+
 def test_rl_loop_runs_to_completion(cluster, recipe_env, monkeypatch, tmp_path):
     rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
             for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))]
@@ -102,10 +107,13 @@ def test_rl_loop_runs_to_completion(cluster, recipe_env, monkeypatch, tmp_path):
     # An untrained tiny model never writes \boxed{...}, so every reward would be 0 and every step skipped;
     # a reward that varies with the sampled text makes each step train.
     monkeypatch.setattr(rl_loop, "get_reward", lambda response, answer: float(len(response) % 2))
+    # The recipe samples without a seed; give its SamplingParams one, so the rewards (and whether a step has
+    # a non-constant group to train on) are the same on every run.
+    monkeypatch.setattr(rl_loop.tinker.types, "SamplingParams", _SeededSamplingParams)
     log_path = tmp_path / "rl_loop"
     rl_loop.main(rl_loop.Config(base_url=cluster.http_url, log_path=str(log_path), model_name=MODEL_NAME,
                                 batch_size=2, group_size=4, max_tokens=16, learning_rate=1e-4, lora_rank=8))
     steps = _logged_steps(log_path)
     assert [s["step"] for s in steps] == [0, 1]
-    assert any("step:max" in s for s in steps)  # at least one step trained (stable_reinforce, the default)
+    assert all("step:max" in s for s in steps)  # both steps trained (stable_reinforce, the default)
     assert _final_checkpoint(log_path)["sampler_path"].endswith("/sampler_weights/final")

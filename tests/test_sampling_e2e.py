@@ -147,9 +147,10 @@ def test_rl_loop_raises_the_reward(service):
     prompt = _prompt("Say: ")
     lowercase = set(range(ord("a"), ord("z") + 1))
     rewards = []
-    for _ in range(20):
+    for step in range(20):
         sampler = tc.save_weights_and_get_sampling_client()
-        result = sampler.sample(prompt, 16, types.SamplingParams(max_tokens=8, temperature=1.0)).result(60)
+        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1000 + step)  # the same draws every run
+        result = sampler.sample(prompt, 16, params).result(60)
         scores = [sum(t in lowercase for t in s.tokens) / len(s.tokens) for s in result.sequences]
         mean = sum(scores) / len(scores)
         rewards.append(mean)
