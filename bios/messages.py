@@ -277,6 +277,17 @@ class ClusterStatus:
     uptime_s: float
     phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over cycles (rank 0's view)
     plans: dict[str, str] = field(default_factory=dict)  # base model -> its memory plan and estimate
+    state_dir: StateDirSpace | None = None  # the coordinator's state directory: checkpoints and the request log
+
+
+@dataclass(frozen=True)
+class StateDirSpace:
+    """How much room checkpoints and the request log have left; `warning` is set well before saves fail."""
+
+    path: str
+    free_bytes: int
+    total_bytes: int
+    warning: str = ""
 
 
 # ------------------------------------------------------------------------------------------ workers

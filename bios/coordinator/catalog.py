@@ -2,6 +2,9 @@
 
 The SQLite index (`Store`) says what exists and whose it is; the `CheckpointStore` holds the tensors. Anything
 that is not the caller's is reported as not found, so existence does not leak across keys.
+
+A full state directory is an error, not an outage: a save that would not fit is refused before it writes, and a
+delete removes files before rows, so it frees space even when SQLite itself has none left.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from bios.exceptions import ConflictError, NotFoundError
 from bios.messages import CheckpointState
 
 from .checkpoints import CheckpointStore
+from .disk import is_disk_full
 from .store import Store, StoredCheckpoint, StoredRun
 
 _TYPES = {"weights": "training", "sampler_weights": "sampler"}
@@ -23,6 +27,7 @@ class Catalog:
     def __init__(self, store: Store, files: CheckpointStore) -> None:
         self.store = store
         self.files = files
+        self.disk = store.disk
 
     def check_free(self, path: CheckpointPath, *, overwrite: bool) -> None:
         if not overwrite and self.store.get_checkpoint(str(path)) is not None:
@@ -30,12 +35,26 @@ class Catalog:
                                 field="name")
 
     def save(self, path: CheckpointPath, state: CheckpointState, *, owner: str, automatic: bool) -> StoredCheckpoint:
-        size = self.files.put(path, state)
+        """Write a checkpoint's files, then its row; RequestFailedError naming the full state directory (and
+        nothing left behind) if it does not fit."""
+        self.disk.ensure_room(self.files.size_of(state))
+        replacing = self.store.get_checkpoint(str(path)) is not None
+        try:
+            size = self.files.put(path, state)
+        except Exception as exc:
+            if is_disk_full(exc):
+                raise self.disk.full_error(self.files.size_of(state)) from exc
+            raise
         record = StoredCheckpoint(
             path=str(path), run_id=path.run_id, kind=path.kind, name=path.name, owner=owner, created=time.time(),
             size_bytes=size, step=int(state.metadata.get("step", 0)), automatic=automatic,
         )
-        self.store.add_checkpoint(record)
+        try:
+            self.store.add_checkpoint(record)
+        except Exception:
+            if not replacing:  # files no row points at could be neither listed nor deleted
+                self.files.delete(path)
+            raise
         return record
 
     def find(self, path: str, owner: str | None, *, field: str = "path") -> StoredCheckpoint:
@@ -50,15 +69,19 @@ class Catalog:
         return self.files.get(CheckpointPath.parse(record.path))
 
     def delete(self, path: str, owner: str | None) -> None:
-        record = self.find(path, owner)
-        self.store.delete_checkpoint(record.path)
-        self.files.delete(CheckpointPath.parse(record.path))
+        self._remove(self.find(path, owner))
 
     def prune_automatic(self, run_id: str, keep: int) -> None:
         automatic = [c for c in self.store.list_checkpoints(run_id) if c.automatic]
         for record in automatic[: max(0, len(automatic) - keep)]:
-            self.store.delete_checkpoint(record.path)
-            self.files.delete(CheckpointPath.parse(record.path))
+            self._remove(record)
+
+    def _remove(self, record: StoredCheckpoint) -> None:
+        """Files first: that frees space, so the row's delete can be written even on a disk that was full. A row
+        left by a failure points at nothing and is removed by deleting it again."""
+        self.files.delete(CheckpointPath.parse(record.path))
+        self.store.delete_checkpoint(record.path)
+        self.disk.hold()  # space came back: set the reserve aside again if it was used
 
     def latest_automatic(self, run_id: str) -> StoredCheckpoint | None:
         automatic = [c for c in self.store.list_checkpoints(run_id) if c.automatic]

@@ -1,8 +1,8 @@
 """Where checkpoint tensors live: a small store interface and its directory implementation.
 
 Files are safetensors (adapter, optimizer) plus `metadata.json`, written atomically (a temp directory renamed
-into place). The SQLite index in `Store` says which checkpoints exist; this only holds the bytes, so an object
-store can replace it later.
+into place, removed if anything fails, so a full disk leaves nothing partial). The SQLite index in `Store` says
+which checkpoints exist; this only holds the bytes, so an object store can replace it later.
 """
 
 from __future__ import annotations
@@ -18,9 +18,14 @@ from safetensors.numpy import load_file, save_file
 from bios.checkpoint_path import CheckpointPath
 from bios.messages import CheckpointState
 
+# safetensors' header per tensor (name, dtype, shape, offsets) is well under this; metadata.json is small
+_OVERHEAD_PER_TENSOR = 256
+_OVERHEAD = 64 * 1024
+
 
 class CheckpointStore(Protocol):
     def put(self, path: CheckpointPath, state: CheckpointState) -> int: ...
+    def size_of(self, state: CheckpointState) -> int: ...
     def get(self, path: CheckpointPath) -> CheckpointState: ...
     def delete(self, path: CheckpointPath) -> None: ...
 
@@ -33,19 +38,31 @@ class DirectoryCheckpointStore:
     def _dir(self, path: CheckpointPath) -> Path:
         return self.root / path.run_id / path.kind / path.name
 
+    def size_of(self, state: CheckpointState) -> int:
+        """At least the bytes `put` will write (tensor data plus a generous allowance for headers)."""
+        tensors = [*state.adapter.values(), *(state.optimizer or {}).values()]
+        return sum(int(a.nbytes) + _OVERHEAD_PER_TENSOR for a in tensors) + _OVERHEAD
+
     def put(self, path: CheckpointPath, state: CheckpointState) -> int:
-        """Write all files; returns their total size in bytes."""
+        """Write all files; returns their total size in bytes. Any failure (safetensors raises its own errors,
+        not only OSError) removes the temp directory before it propagates."""
         final = self._dir(path)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-        tmp.mkdir()
-        save_file({k: _contiguous(v) for k, v in state.adapter.items()}, str(tmp / "adapter.safetensors"))
-        if state.optimizer is not None:
-            save_file({k: _contiguous(v) for k, v in state.optimizer.items()}, str(tmp / "optimizer.safetensors"))
-        (tmp / "metadata.json").write_text(json.dumps(state.metadata, indent=2, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        try:
+            tmp.mkdir()
+            save_file({k: _contiguous(v) for k, v in state.adapter.items()}, str(tmp / "adapter.safetensors"))
+            if state.optimizer is not None:
+                save_file({k: _contiguous(v) for k, v in state.optimizer.items()},
+                          str(tmp / "optimizer.safetensors"))
+            (tmp / "metadata.json").write_text(json.dumps(state.metadata, indent=2, sort_keys=True))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_empty(final.parent, self.root)
+            raise
         return sum(f.stat().st_size for f in final.iterdir())
 
     def get(self, path: CheckpointPath) -> CheckpointState:
@@ -58,7 +75,19 @@ class DirectoryCheckpointStore:
         )
 
     def delete(self, path: CheckpointPath) -> None:
-        shutil.rmtree(self._dir(path), ignore_errors=True)
+        folder = self._dir(path)
+        shutil.rmtree(folder, ignore_errors=True)
+        _remove_empty(folder.parent, self.root)
+
+
+def _remove_empty(folder: Path, root: Path) -> None:
+    """Remove `folder` and its parents up to (not including) `root` while they are empty."""
+    while folder != root and root in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or already gone): stop
+            return
+        folder = folder.parent
 
 
 def _contiguous(array):  # type: ignore[no-untyped-def]

@@ -1,24 +1,28 @@
 """Result routing: every answer is written to the request log before it is pushed to the peers waiting for it.
 
 So a resubmitted (target, seq_id) is answered from the log, and a peer that asks again while the request runs
-is added to its waiters rather than running it twice.
+is added to its waiters rather than running it twice. A log the full disk refuses does not stop the answer.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bios import messages as m
 from bios.actors.remote import RemoteError
-from bios.exceptions import ERROR_TYPES, BadRequestError
+from bios.exceptions import ERROR_TYPES, BadRequestError, RequestFailedError
 from bios.security.limits import QuotaLedger
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 
 from .admission import Refused
+from .disk import is_disk_full
 from .metrics import CoordinatorMetrics
 from .store import Store, StoredRequest
+
+log = logging.getLogger(__name__)
 
 Push = Callable[[bytes, list[Any]], Awaitable[None]]
 
@@ -53,8 +57,13 @@ class ResultRouter:
         exc = refused.error
         exc.request_id = refused.request_id
         frames = self.encode(m.RequestDone(refused.request_id, error=RemoteError.from_exception(exc)))
-        self.store.add_rejected(refused.request_id, refused.target, refused.seq_id, type(refused.op).__name__,
-                                frames)
+        try:
+            self.store.add_rejected(refused.request_id, refused.target, refused.seq_id, type(refused.op).__name__,
+                                    frames)
+        except RequestFailedError as full:  # the refusal stands; a resubmission only gets a different error
+            if not is_disk_full(full):
+                raise
+            log.warning("refusal of %s not recorded: %s", refused.request_id, full.message)
         self.metrics.request_rejected(refused.request_id, refused.op, exc.message)
 
     async def deliver(self, request_id: str, op: Any, result: Any, error: RemoteError | None,
@@ -62,7 +71,13 @@ class ResultRouter:
         """Log the outcome of an accepted request, then answer everyone waiting for it."""
         self.metrics.request_finished(request_id, op, result, error)
         frames = self.encode(m.RequestDone(request_id, result, error, cycle_id))
-        self.store.finish_request(request_id, "failed" if error else "done", frames)
+        try:
+            self.store.finish_request(request_id, "failed" if error else "done", frames)
+        except RequestFailedError as full:  # it ran: its waiters still hear how it went
+            if not is_disk_full(full):
+                raise
+            log.error("the outcome of %s is not in the request log (a coordinator restarted before space is freed "
+                      "would run it again): %s", request_id, full.message)
         self.ledger.release(request_id)
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)

@@ -9,6 +9,7 @@ own task), which asks this actor for work at every tick.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -21,12 +22,13 @@ from bios import types as t
 from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
-from bios.exceptions import BadRequestError, NotFoundError
+from bios.exceptions import BadRequestError, NotFoundError, RequestFailedError
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec
 
 from .admission import Admission, Fresh, Refused, Repeat, Sampler, Submit, run_for
 from .catalog import Catalog
+from .disk import is_disk_full
 from .metrics import CoordinatorMetrics
 from .planning import PoolPlanner, Workers
 from .results import Push, ResultRouter
@@ -167,14 +169,30 @@ class Scheduler(Actor):
         verdict = self.admission.admit(sub, self.runs, self.samplers, self.base_infos)
         if isinstance(verdict, Repeat):
             return await self.results.repeat(sub.peer, verdict.stored)
-        if isinstance(verdict, Refused):
-            self.results.refuse(verdict)
-            run = self.runs.get(verdict.target)
-            if verdict.consumes_seq and run is not None:  # the seq_id is used up: the queue moves past it
-                run.enqueue(verdict.seq_id, Queued(verdict.request_id, verdict.op, rejected=True))
-                self.on_work()
-            raise verdict.error
-        return self._accept(sub, verdict)
+        if isinstance(verdict, Fresh):
+            try:
+                return self._accept(sub, verdict)
+            except RequestFailedError as exc:  # the request log is full: refused, so later seq_ids are not stuck
+                if not is_disk_full(exc):
+                    raise
+                verdict = self._unaccept(verdict, exc)
+        self.results.refuse(verdict)
+        run = self.runs.get(verdict.target)
+        if verdict.consumes_seq and run is not None:  # the seq_id is used up: the queue moves past it
+            run.enqueue(verdict.seq_id, Queued(verdict.request_id, verdict.op, rejected=True))
+            self.on_work()
+        raise verdict.error
+
+    def _unaccept(self, fresh: Fresh, exc: RequestFailedError) -> Refused:
+        """A request the request log could not take: a new run is undone; any other request uses up its seq_id."""
+        create = isinstance(fresh.op, m.CreateModel)
+        run = self.runs.pop(fresh.target, None) if create else None
+        if run is not None:
+            with contextlib.suppress(RequestFailedError):
+                self.store.delete_run(run.model_id)
+            if not any(r.base_model == run.base_model for r in self.runs.values()):
+                self.planner.forget(run.base_model)
+        return Refused(fresh.request_id, fresh.target, fresh.seq_id, fresh.op, exc, consumes_seq=not create)
 
     def _accept(self, sub: Submit, fresh: Fresh) -> m.Accepted:
         op = fresh.op

@@ -2,18 +2,27 @@
 
 A request is written here before it is acknowledged, so an accepted request survives anything short of losing
 the disk; its result is written before it is pushed, so a resubmitted `(model_id, seq_id)` is answered from
-here and never executed twice.
+here and never executed twice. Every statement runs under the state directory's full-disk guard (`disk.py`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+
+from bios.exceptions import RequestFailedError
+
+from .disk import GuardedConnection, StateDisk
+
+log = logging.getLogger(__name__)
+
+SESSION_WRITE_S = 30.0  # a session's last heartbeat is written at most this often
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -94,7 +103,10 @@ class Store:
     def __init__(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "coordinator.sqlite3"
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self.disk = StateDisk(state_dir)
+        self.db = GuardedConnection(sqlite3.connect(self.path, isolation_level=None, check_same_thread=False),
+                                    self.disk)
+        self._heartbeats_written: dict[str, float] = {}
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
@@ -109,12 +121,22 @@ class Store:
         self.db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, 0)", (session_id, owner, now, now))
 
     def touch_session(self, session_id: str) -> bool:
-        cur = self.db.execute(
-            "UPDATE sessions SET last_heartbeat = ? WHERE session_id = ? AND closed = 0", (time.time(), session_id)
-        )
-        return cur.rowcount == 1
+        """True while the session is open. Its time is written at most every SESSION_WRITE_S, and a write the
+        full disk refuses is only logged: a heartbeat must not make a full disk look like a lost coordinator."""
+        row = self.db.execute("SELECT closed FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        if row is None or row[0]:
+            return False
+        now = time.time()
+        if now - self._heartbeats_written.get(session_id, 0.0) >= SESSION_WRITE_S:
+            self._heartbeats_written[session_id] = now
+            try:
+                self.db.execute("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?", (now, session_id))
+            except RequestFailedError as exc:
+                log.warning("session %s: heartbeat not recorded: %s", session_id, exc.message)
+        return True
 
     def close_session(self, session_id: str) -> None:
+        self._heartbeats_written.pop(session_id, None)
         self.db.execute("UPDATE sessions SET closed = 1 WHERE session_id = ?", (session_id,))
 
     def session_owner(self, session_id: str) -> str | None:
@@ -157,11 +179,12 @@ class Store:
     def add_request(self, request_id: str, model_id: str, seq_id: int, kind: str, payload: list[bytes] | None) -> None:
         now = time.time()
         blob = msgpack.packb(payload) if payload is not None else None
+        # the insert last: a full disk that refuses either statement leaves no accepted request behind
+        self.db.execute("UPDATE runs SET last_request_time = ? WHERE model_id = ?", (now, model_id))
         self.db.execute(
             "INSERT INTO requests VALUES (?, ?, ?, ?, 'accepted', ?, NULL, ?, NULL)",
             (request_id, model_id, seq_id, kind, now, blob),
         )
-        self.db.execute("UPDATE runs SET last_request_time = ? WHERE model_id = ?", (now, model_id))
 
     def add_rejected(self, request_id: str, model_id: str, seq_id: int, kind: str, result: list[bytes]) -> None:
         now = time.time()
