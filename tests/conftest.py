@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -86,6 +88,40 @@ def wait_for_workers(service, n, states=("active",), timeout=120.0):
     raise AssertionError(f"fewer than {n} workers came up")
 
 
+@contextmanager
+def held(process):
+    """SIGSTOP `process` (a worker) for the block, SIGCONT on the way out. A cycle sent to a held worker cannot
+    end, so requests accepted meanwhile wait for the next cycle: tests order cycles by this, not by time."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def accepted(future, timeout=60.0):
+    """Block until the coordinator has accepted (validated and queued) the request behind `future`."""
+    future._accepted.result(timeout)
+    return future
+
+
+def wait_until_taken(service, timeout=60.0, at_most=0):
+    """Until at most `at_most` accepted requests still wait in the scheduler's queues (0: every accepted
+    request is in a cycle, or done)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.cluster_status().queue_depth <= at_most:
+            return
+        time.sleep(0.02)
+    raise AssertionError("accepted requests never left the queue for a cycle")
+
+
+def base_loads(cluster, base_model, worker=0):
+    """How many times worker `worker` of `cluster` loaded `base_model` (its log says so once per copy held)."""
+    log = (cluster.state_dir / f"worker-{worker}.log").read_text()
+    return log.count(f"loaded base model {base_model} (")
+
+
 @pytest.fixture(scope="session")
 def cluster():
     with bios.LocalCluster(cycle_s=0.0, worker_threads=1) as c:
@@ -109,5 +145,20 @@ def ticking_cluster():
 @pytest.fixture(scope="session")
 def ticking_service(ticking_cluster):
     client = bios.ServiceClient(address=ticking_cluster.address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def held_cluster():
+    """A ticking cluster (1 s) whose worker tests may hold (`held`) while they queue requests: its heartbeat
+    timeout is a minute, so a held worker is never declared dead."""
+    with bios.LocalCluster(cycle_s=1.0, worker_threads=1, heartbeat_timeout_s=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def held_service(held_cluster):
+    client = bios.ServiceClient(address=held_cluster.address)
     yield client
     client.close()

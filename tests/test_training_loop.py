@@ -7,7 +7,7 @@ import asyncio
 import peft
 import pytest
 import torch
-from conftest import BASE, text_datum
+from conftest import BASE, held, text_datum
 
 from bios import types
 from bios.models import load_base_model
@@ -124,11 +124,11 @@ def test_two_halves_accumulate_to_the_whole_batch(service):
         torch.testing.assert_close(ra["logprobs"].to_torch(), rb["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
 
 
-async def test_double_await_accepts_before_the_result_exists(ticking_service):
-    tc = await ticking_service.create_lora_training_client_async(BASE, rank=8, seed=3)
-    future = await tc.forward_backward_async(BATCH, "cross_entropy")
-    # Accepted, but the next tick (up to a second away) has not run it yet.
-    assert not future.done()
+async def test_double_await_accepts_before_the_result_exists(held_cluster, held_service):
+    tc = await held_service.create_lora_training_client_async(BASE, rank=8, seed=3)
+    with held(held_cluster.workers[0]):  # no cycle can end, so no result can exist before the worker resumes
+        future = await asyncio.wait_for(tc.forward_backward_async(BATCH, "cross_entropy"), 60)  # accepted
+        assert not future.done()
     out = await future
     assert out.loss > 0
 
@@ -151,24 +151,39 @@ async def test_futures_awaited_in_reverse_still_follow_submission_order(service)
     assert [r.metrics["step:max"] for r in results[1::2]] == [1, 2, 3, 4]
 
 
-async def test_pipelined_requests_share_a_cycle_and_awaited_ones_do_not(ticking_service):
-    tc = await ticking_service.create_lora_training_client_async(BASE, rank=8, seed=6)
+async def _cycles_since(service, before: int, expected: int, timeout: float = 60.0) -> int:
+    """Cycles run since `before`, read once `expected` have been counted (a cycle is counted just after its
+    results are sent, so the count can lag them; it never runs ahead)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        ran = (await service.cluster_status_async()).cycles_run - before
+        if ran >= expected or asyncio.get_running_loop().time() > deadline:
+            return ran
+        await asyncio.sleep(0.02)
 
-    async def cycles_for(steps) -> int:
-        before = (await ticking_service.cluster_status_async()).cycles_run
-        await steps()
-        return (await ticking_service.cluster_status_async()).cycles_run - before
 
-    async def pipelined() -> None:
+async def _until_taken(service) -> None:
+    while (await service.cluster_status_async()).queue_depth:
+        await asyncio.sleep(0.02)
+
+
+async def test_pipelined_requests_share_a_cycle_and_awaited_ones_do_not(held_cluster, held_service):
+    """Requests accepted while a cycle runs wait for the next one and run in it together; a request sent only
+    after the previous result came back gets a cycle of its own. Cycles are ordered by holding the worker."""
+    service = held_service
+    tc = await service.create_lora_training_client_async(BASE, rank=8, seed=6)
+    blocker = await service.create_lora_training_client_async(BASE, rank=8, seed=7)
+    before = (await service.cluster_status_async()).cycles_run
+    with held(held_cluster.workers[0]):
+        blocking = await blocker.forward_async(BATCH, "cross_entropy")
+        await asyncio.wait_for(_until_taken(service), 60)  # its cycle has started, and cannot end
         fwd = await tc.forward_backward_async(BATCH, "cross_entropy")
         opt = await tc.optim_step_async()
-        await asyncio.gather(fwd, opt)
+        assert not (blocking.done() or fwd.done() or opt.done())
+    await asyncio.wait_for(asyncio.gather(blocking, fwd, opt), 120)
+    assert await _cycles_since(service, before, 2) == 2  # the blocker's cycle, then one for both requests
 
-    async def awaited() -> None:
-        await (await tc.forward_backward_async(BATCH, "cross_entropy"))
-        await (await tc.optim_step_async())
-
-    # A tick can fall between two submissions on a loaded machine; the claim is that it need not.
-    together = [await cycles_for(pipelined) for _ in range(3)]
-    assert 1 in together and max(together) <= 2
-    assert await cycles_for(awaited) == 2
+    before = (await service.cluster_status_async()).cycles_run
+    await (await tc.forward_backward_async(BATCH, "cross_entropy"))
+    await (await tc.optim_step_async())
+    assert await _cycles_since(service, before, 2) == 2
