@@ -65,6 +65,10 @@ class APIConnectionError(BiosAPIError):
     """The coordinator cannot be reached or went away."""
 
 
+class ReconnectRequired(BiosAPIError):
+    """The coordinator does not know this connection (it restarted): the SDK says Hello again and resends."""
+
+
 ERROR_TYPES: dict[str, type[BiosAPIError]] = {
     cls.__name__: cls
     for cls in (
@@ -78,5 +82,6 @@ ERROR_TYPES: dict[str, type[BiosAPIError]] = {
         InternalServerError,
         TimeoutError,
         APIConnectionError,
+        ReconnectRequired,
     )
 }

@@ -29,6 +29,7 @@ class Hello:
     api_key: str | None = None
     sdk_version: str = ""
     protocol: int = PROTOCOL_VERSION
+    session_id: str | None = None  # resume this session (after a reconnect or a coordinator restart)
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,18 @@ class RegisterWorker:
     store_port: int = 0
     runtime_bytes: int = 0  # the worker process's own footprint before any model (measured; 0: unknown)
     holdings: dict[str, float] = field(default_factory=dict)  # adapters it still holds (registering again): checksums
+    last_cycle: HeldCycle | None = None  # the last cycle it committed, for a coordinator that never heard its end
+
+
+@dataclass(frozen=True)
+class HeldCycle:
+    """What a worker keeps of the last cycle it committed: each adapter's checksum before it, and the results it
+    reported. A restarted coordinator whose log stops just before this cycle records these results instead of
+    running the cycle again."""
+
+    cycle_id: int
+    before: dict[str, float]
+    results: list[ItemDone]
 
 
 @dataclass(frozen=True)
@@ -372,6 +385,7 @@ class Reconfigure:
     tp: int = 1
     source_tp: int = 1
     plans: list[ModelPlan] = field(default_factory=list)
+    epoch: str = ""  # the coordinator's incarnation: its generations' rendezvous keys are its own
 
 
 @dataclass(frozen=True)

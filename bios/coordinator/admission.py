@@ -9,8 +9,8 @@ Errors raised instead of returned (unknown run, reused seq_id, rate limits) leav
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import secrets
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -118,7 +118,7 @@ class Admission:
         if seq_id != run.next_seq:  # a run's next request always gets in: later ones, accepted while it was
             self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=False)  # refused, must not keep it out
         try:
-            op = self._prepare(op, run, sub.owner, infos)
+            op = self.prepare(op, run, sub.owner, infos)
         except BiosAPIError as exc:
             return Refused(request_id, model_id, seq_id, op, exc, consumes_seq=True)
         return Fresh(request_id, model_id, seq_id, op)
@@ -179,16 +179,7 @@ class Admission:
                                 field="session_id")
         if model_id in runs:
             raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
-        if op.from_path is not None:
-            state = self.catalog.load(op.from_path, owner, field="path")
-            meta = state.metadata
-            lora = t.LoraConfig(rank=int(meta["rank"]), seed=meta.get("seed"),
-                                train_unembed=bool(meta.get("train_unembed", True)),
-                                train_mlp=bool(meta.get("train_mlp", True)),
-                                train_attn=bool(meta.get("train_attn", True)))
-            op = dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
-        elif op.state is not None:  # starting weights come from the caller's own checkpoints only
-            op = dataclasses.replace(op, state=None)
+        op = self.load_starting_state(op, owner)
         spec.check_lora(op.lora)
         if not isinstance(op.base_model, str) or not op.base_model:
             raise BadRequestError("base_model is empty: name a model (see `bios models list`)", field="base_model")
@@ -198,8 +189,22 @@ class Admission:
         held = sum(1 for run in runs.values() if run.status == "ready")
         return op, self.planner.choose(op.base_model, op.lora, adapters=same_base, live_runs=held)
 
-    def _prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
-        """Check a request against the spec and its run; fill in what only the coordinator knows."""
+    def load_starting_state(self, op: m.CreateModel, owner: str) -> m.CreateModel:
+        """A run created from a checkpoint takes its weights, LoRA shape and base model from it; starting
+        weights come from the caller's own checkpoints only."""
+        if op.from_path is None:
+            return op if op.state is None else dataclasses.replace(op, state=None)
+        state = self.catalog.load(op.from_path, owner, field="path")
+        meta = state.metadata
+        lora = t.LoraConfig(rank=int(meta["rank"]), seed=meta.get("seed"),
+                            train_unembed=bool(meta.get("train_unembed", True)),
+                            train_mlp=bool(meta.get("train_mlp", True)),
+                            train_attn=bool(meta.get("train_attn", True)))
+        return dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
+
+    def prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
+        """Check a request against the spec and its run; fill in what only the coordinator knows (the same
+        way every time: a restarted coordinator prepares its accepted requests again)."""
         if isinstance(op, m.ForwardBackward):
             self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
             spec.check_forward(op.data, op.loss_fn, op.loss_fn_config,
@@ -207,7 +212,7 @@ class Admission:
         elif isinstance(op, m.OptimStep):
             spec.check_adam(op.adam_params)
         elif isinstance(op, m.SaveWeights):
-            name = op.name if op.name is not None else f"{op.seq_id:06d}-{uuid.uuid4().hex[:8]}"
+            name = op.name if op.name is not None else f"{op.seq_id:06d}-{_digest(run.model_id)}"
             check_name(name)
             path = CheckpointPath(run.model_id, op.kind, name)
             self.catalog.check_free(path, overwrite=op.overwrite or op.kind == "sampler_weights")
@@ -226,6 +231,10 @@ class Admission:
     def _limits(self, base_model: str, infos: Mapping[str, t.BaseModelInfo]) -> spec.ModelLimits | None:
         """A base model's vocabulary and context: as a worker reported them, else from its config.json here."""
         return infos.get(base_model) or _config_limits(base_model)
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
 
 
 @lru_cache(maxsize=64)

@@ -19,10 +19,12 @@ k members draw the same tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +32,12 @@ from typing import Any
 from bios import messages as m
 from bios.actors.actor import ActorRef
 
+from .adoption import adoptable
 from .clock import CycleClock
 from .membership import Member, Membership
+from .ranking import rank_members
 from .metrics import CoordinatorMetrics
-from .scheduler import Adapters, CycleEnded, Finished, Layout, PoolLayout, RunsLost, SelectWork
+from .mailbox import Adapters, Committed, CycleEnded, Finished, Layout, PoolLayout, Recovered, RunsLost, SelectWork
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ class _Forming:
 class CycleRunner:
     def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
                  load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
-                 collective_timeout_s: float, metrics: CoordinatorMetrics | None = None) -> None:
+                 collective_timeout_s: float, metrics: CoordinatorMetrics | None = None,
+                 committed: dict[str, float] | None = None, rejoin_grace_s: float = 0.0) -> None:
         self.scheduler = scheduler
         self.clock = clock
         self.membership = membership
@@ -84,11 +89,14 @@ class CycleRunner:
         self.current: _Cycle | None = None
         self.forming: _Forming | None = None
         self.generation = -1
+        self.epoch = f"{uuid.uuid4().hex[:8]}/"  # generations restart at 1 with each coordinator incarnation
         self.ranked: list[Member] = []
         self.holders: set[str] = set()
         # Each adapter's checksum after the last cycle or generation that changed it (whole adapters only): a
-        # worker that rejoins holding exactly these can be the source when no holder survived.
-        self.committed: dict[str, float] = {}
+        # worker that rejoins holding exactly these can be the source when no holder survived. Kept in the state
+        # dir, so a restarted coordinator waits up to `rejoin_grace_s` for such a worker before restoring.
+        self.committed: dict[str, float] = dict(committed or {})
+        self._rejoin_deadline = time.monotonic() + rejoin_grace_s if committed else 0.0
         self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
         self.layout = PoolLayout(1, ())  # the tensor-parallel size and plans the current generation runs
         self._join_failures: dict[str, int] = {}
@@ -160,6 +168,7 @@ class CycleRunner:
                 self.committed.pop(getattr(op, "model_id", ""), None)
         elif self.ranked and self.layout.tp == 1:
             self.committed.update(cycle.checksums.get(self.ranked[0].worker_id, {}))
+        self.scheduler.tell(Committed(dict(self.committed)))
         self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again", cycle.cycle_id,
@@ -264,7 +273,7 @@ class CycleRunner:
         """Every membership change bumps the generation, so an unchanged number means unchanged members; a new
         memory plan (a model that needs tensor parallelism) forms a new generation too."""
         while True:
-            members = await self.membership.wait_for_alive()
+            members = await self._members_after_restart()
             layout: PoolLayout = await self.scheduler.ask(Layout())
             if self.generation == self.membership.generation:
                 if layout == self.layout:
@@ -283,7 +292,7 @@ class CycleRunner:
         adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters())
         if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
             self._adopt_rejoined(members, adapters)
-        ranked, source_tp = self._rank(members, layout.tp)
+        ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, self.layout.tp)
         restore: dict[str, m.CheckpointState] = {}
         if adapters and source_tp is None:
             adapters, restore = self._restore_from_checkpoints(adapters)
@@ -295,7 +304,8 @@ class CycleRunner:
                 member.sampler_paths.clear()  # a newcomer, or a holder of another shard: samplers are reloaded
             await self.send(member.peer, m.Reconfigure(generation, rank, len(ranked), master.store_host,
                                                        master.store_port, self.collective_timeout_s, adapters,
-                                                       restore, layout.tp, source_tp or layout.tp, list(layout.plans)))
+                                                       restore, layout.tp, source_tp or layout.tp, list(layout.plans),
+                                                       self.epoch))
         try:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -310,49 +320,41 @@ class CycleRunner:
         self.holders = {mb.worker_id for mb in ranked}
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
+        self.scheduler.tell(Committed(dict(self.committed)))
         self._join_failures.clear()
         log.info("generation %d formed: %s", generation, ", ".join(mb.worker_id for mb in ranked))
         return True
 
+    async def _members_after_restart(self) -> list[Member]:
+        """The live members; after a coordinator restart, first wait (a little) for a worker that kept the runs'
+        state to register again, so a newcomer that registers first does not make them restore from disk."""
+        while True:
+            members = await self.membership.wait_for_alive()
+            left = self._rejoin_deadline - time.monotonic()
+            if left <= 0 or any(adoptable(mb, self.committed) is not None for mb in members):
+                self._rejoin_deadline = 0.0
+                return members
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.membership.changed_since(self.membership.generation), left)
+
     def _adopt_rejoined(self, members: list[Member], adapters: list[m.AdapterSpec]) -> None:
-        """No survivor holds the state, but a worker that was declared dead while alive and registered again
-        may: if it holds every adapter exactly as last committed, it is the source instead of a checkpoint."""
-        wanted = {spec.model_id: self.committed.get(spec.model_id) for spec in adapters}
-        if None in wanted.values():
+        """No survivor holds the state, but a worker that registered again (after it was declared dead while
+        alive, or after the coordinator restarted) may: if it holds every adapter as last committed, or one
+        committed cycle further, it is the source instead of a checkpoint."""
+        if {spec.model_id for spec in adapters} - self.committed.keys():
             return
         for member in members:
-            if all(member.holdings.get(model_id) == checksum for model_id, checksum in wanted.items()):
-                log.warning("no holder of the runs' state survived, but %s registered again holding all %d "
-                            "adapter(s) as last committed: it is the source", member.worker_id, len(wanted))
-                self.holders = {member.worker_id}
-                return
-
-    def _rank(self, members: list[Member], tp: int) -> tuple[list[Member], int | None]:
-        """The members of the next generation in rank order, and how the state reaches them: the `source_tp`
-        of `Reconfigure` (1: whole on rank 0; tp: shard j on rank j), or None when no survivor can provide it.
-
-        Survivors keep their shard where they can (no reload); members beyond a multiple of `tp` stand by.
-        """
-        holders = [mb for mb in members if mb.worker_id in self.holders]
-        others = [mb for mb in members if mb.worker_id not in self.holders]
-        size = len(members) // tp * tp
-        if self.layout.tp == tp == 1:  # the holders have whole adapters (or there are none)
-            return holders + others, 1 if holders else None
-        if self.layout.tp != tp:
-            if self.holders:
-                log.error("adapters held over %d worker(s) are not re-split over %d: they restore from their latest "
-                          "automatic checkpoints", self.layout.tp, tp)
-            return (holders + others)[:size], None
-        by_shard = [[mb for mb in holders if self.shards.get(mb.worker_id) == (tp, j)] for j in range(tp)]
-        ranked: list[Member] = []
-        placed: set[str] = set()
-        for rank in range(size):
-            pick = next((mb for mb in by_shard[rank % tp] if mb.worker_id not in placed), None)
-            if pick is None:
-                pick = next(mb for mb in [*others, *holders] if mb.worker_id not in placed)
-            ranked.append(pick)
-            placed.add(pick.worker_id)
-        return ranked, tp if all(by_shard) else None
+            recovered = adoptable(member, self.committed)
+            if recovered is None:
+                continue
+            log.warning("no holder of the runs' state survived, but %s registered again holding all %d "
+                        "adapter(s) as last committed%s: it is the source", member.worker_id, len(adapters),
+                        f" (its last cycle: {member.last_cycle.cycle_id})" if member.last_cycle else "")
+            if recovered:
+                self.scheduler.tell(Recovered(recovered))
+                self.committed = dict(member.holdings)
+            self.holders = {member.worker_id}
+            return
 
     async def _after_failed_formation(self, generation: int, failed: set[str]) -> None:
         """Members that cannot be reached are dead; one that keeps failing to join is dropped; then retry."""

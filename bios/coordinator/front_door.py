@@ -18,7 +18,7 @@ from bios.security.limits import QuotaLedger
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 
-from . import scheduler as sched
+from . import mailbox as sched
 from .admission import Submit
 from .queries import QUERY_TYPES as READ_QUERIES
 from .queries import Queries
@@ -53,6 +53,11 @@ class FrontDoor:
             raise NotFoundError(f"unknown session {session_id!r}; create one with a ServiceClient",
                                 field="session_id")
 
+    def resume_session(self, session_id: str, owner: str) -> None:
+        """A client back after a reconnect or a coordinator restart keeps its session (its runs, its seq_ids)."""
+        if not self.heartbeat(session_id, owner):
+            raise NotFoundError(f"session {session_id} was closed; create a new ServiceClient", field="session_id")
+
     def heartbeat(self, session_id: str, owner: str) -> bool:
         """False when the session was closed."""
         self.check_session(session_id, owner)
@@ -85,6 +90,11 @@ class FrontDoor:
         future = self.scheduler.ask_future(Submit(peer, owner, op, frames))
         future.add_done_callback(lambda _f: self.ledger.arrived(owner))
         return future
+
+    def watch(self, peer: bytes, request_id: str, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
+        """Send `peer` the result of a request it submitted to an earlier coordinator (now, or when it comes);
+        NotFoundError if `owner` has no such request."""
+        return self.scheduler.ask_future(sched.Watch(peer, owner, request_id))
 
     def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
         """Answer a query (GetInfo, sampling sessions, listings, capabilities, status) for `owner`."""

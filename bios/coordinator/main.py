@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 
+from bios import cluster_defaults
 from bios.actors import loop as event_loop
 from bios.cli_support import HelpFormatter, add_state_dir
 from bios.security.limits import Quotas
@@ -39,9 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_state_dir(p, "SQLite store, keys and checkpoints")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
-    p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="automatic checkpoint of each run every N optimizer steps (0 = off)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="automatic checkpoints kept per run")
+    p.add_argument("--checkpoint-every", type=int, default=cluster_defaults.CHECKPOINT_EVERY,
+                   help="automatic checkpoint of each run every N optimizer steps (0 = off; 1 = no acknowledged "
+                        "step is ever rolled back)")
+    p.add_argument("--keep-checkpoints", type=int, default=cluster_defaults.KEEP_CHECKPOINTS,
+                   help="automatic checkpoints kept per run")
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one; default: off)")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",

@@ -32,6 +32,7 @@ class Member:
     sampler_paths: set[str] = field(default_factory=set)  # sampler checkpoints this worker holds in memory
     runtime_bytes: int = 0  # the worker's own footprint before any model (memory plans count it as overhead)
     holdings: dict[str, float] = field(default_factory=dict)  # adapter checksums it held when it registered
+    last_cycle: m.HeldCycle | None = None  # the last cycle it committed before registering (again)
 
 
 class Membership:
@@ -44,7 +45,7 @@ class Membership:
     def register(self, peer: bytes, msg: m.RegisterWorker) -> Member:
         member = Member(msg.worker_id, peer, msg.host, msg.pid, msg.device, msg.memory_bytes, list(msg.models),
                         msg.store_host, msg.store_port, runtime_bytes=msg.runtime_bytes,
-                        holdings=dict(msg.holdings))
+                        holdings=dict(msg.holdings), last_cycle=msg.last_cycle)
         self.members[msg.worker_id] = member
         self.bump(f"worker {msg.worker_id} joined ({msg.device}, pid {msg.pid} on {msg.host})")
         return member
@@ -76,6 +77,14 @@ class Membership:
         for member in dead:
             self.mark_dead(member.worker_id, f"no heartbeat for {self.heartbeat_timeout_s:.1f}s")
         return dead
+
+    def grace(self) -> None:
+        """Count every live member as just heard from: after the coordinator itself stalled, silence says
+        nothing about the workers, whose heartbeats wait unread in its socket."""
+        now = time.monotonic()
+        for member in self.members.values():
+            if member.state != "dead":
+                member.last_seen = now
 
     def alive(self) -> list[Member]:
         return [mb for mb in self.members.values() if mb.state == "ready"]

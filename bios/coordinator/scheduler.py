@@ -21,16 +21,32 @@ from bios import messages as m
 from bios import types as t
 from bios.actors.actor import Actor
 from bios.actors.remote import RemoteError
-from bios.checkpoint_path import CheckpointPath
 from bios.exceptions import BadRequestError, NotFoundError, RequestFailedError
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec
 
 from .admission import Admission, Fresh, Refused, Repeat, Sampler, Submit, run_for
+from .mailbox import (
+    Adapters,
+    Committed,
+    CycleEnded,
+    Finished,
+    Layout,
+    PlanDescriptions,
+    PoolLayout,
+    Query,
+    QueueDepth,
+    Recovered,
+    RunsLost,
+    SelectWork,
+    Watch,
+)
+from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
 from .disk import is_disk_full
 from .metrics import CoordinatorMetrics
 from .planning import PoolPlanner, Workers
+from .recovery import restore
 from .results import Push, ResultRouter
 from .runs import Queued, Run
 from .store import Store
@@ -42,70 +58,6 @@ log = logging.getLogger(__name__)
 class SchedulerConfig:
     checkpoint_every: int = 0  # automatic checkpoint every N optimizer steps of a run (0 = off)
     keep_checkpoints: int = 2  # automatic checkpoints kept per run
-
-
-# ------------------------------------------------------------------------------------ mailbox messages
-
-
-@dataclass(frozen=True)
-class Query:
-    """A query about what the scheduler holds in memory: GetInfo, sampling sessions."""
-
-    owner: str
-    body: Any
-
-
-QUERY_TYPES = (m.GetInfo, m.CreateSamplingSession, m.GetSamplingSession)
-
-
-@dataclass(frozen=True)
-class SelectWork:
-    pass
-
-
-@dataclass(frozen=True)
-class Finished:
-    done: m.ItemDone
-
-
-@dataclass(frozen=True)
-class CycleEnded:
-    cycle_id: int
-    finished: frozenset[str]
-    aborted: bool
-
-
-@dataclass(frozen=True)
-class QueueDepth:
-    by_pool: bool = False  # a dict base model -> depth instead of the total
-
-
-@dataclass(frozen=True)
-class Adapters:
-    """The adapters every worker of a generation must hold: one per ready run."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the pool holds its base models: the tensor-parallel size and each base model's plan."""
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    tp: int
-    plans: tuple[m.ModelPlan, ...]
-
-
-@dataclass(frozen=True)
-class PlanDescriptions:
-    """Base model -> its plan and estimate, for `bios status`."""
-
-
-@dataclass(frozen=True)
-class RunsLost:
-    """These runs' state died with the worker pool and no checkpoint can bring it back."""
-
-    model_ids: tuple[str, ...]
 
 
 class Scheduler(Actor):
@@ -121,12 +73,32 @@ class Scheduler(Actor):
         self.planner = PoolPlanner(workers or (lambda: []))
         self.admission = Admission(store, catalog, self.ledger, self.planner)
         self.results = ResultRouter(store, codec, push, self.ledger, self.metrics)
+        self.autosave = AutoSave(catalog, self.config.checkpoint_every, self.config.keep_checkpoints)
+        self.codec = codec
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.samples: list[Queued] = []
         self.running: dict[str, Any] = {}  # request id -> op, for the current cycle
-        self.steps: dict[str, int] = {}
+        # Answers are given when their cycle is over: by then the state that produced them is committed on every
+        # replica, recorded (its checksums) in the state dir, and in the automatic checkpoint if one was due.
+        self.answers: list[m.ItemDone] = []
         self.base_infos: dict[str, t.BaseModelInfo] = {}
+
+    async def started(self) -> None:
+        """Carry on where the state dir says the last coordinator stopped."""
+        restored = restore(self.store, self.codec, self.admission)
+        self.runs, self.samplers, self.samples = restored.runs, restored.samplers, restored.samples
+        self.autosave.steps, self.base_infos = restored.steps, restored.infos
+        for request_id, op, error in restored.failed:
+            await self.results.deliver(request_id, op, None, error)
+        for base_model, lora in {run.base_model: run.lora for run in self.runs.values()}.items():
+            same_base = sum(1 for run in self.runs.values() if run.base_model == base_model)
+            try:
+                self.planner.adopt(self.planner.choose(base_model, lora, adapters=same_base - 1, live_runs=0))
+            except BadRequestError as exc:
+                log.error("%s cannot be planned on this pool any more: %s", base_model, exc.message)
+        if self.samples or any(run.runnable() for run in self.runs.values()):
+            self.on_work()
 
     async def receive(self, message: Any) -> Any:
         if isinstance(message, Submit):
@@ -136,7 +108,7 @@ class Scheduler(Actor):
         if isinstance(message, Finished):
             return await self._finished(message.done)
         if isinstance(message, CycleEnded):
-            return self._cycle_ended(message)
+            return await self._cycle_ended(message)
         if isinstance(message, Query):
             return self._query(message.owner, message.body)
         if isinstance(message, Adapters):
@@ -148,6 +120,12 @@ class Scheduler(Actor):
             return dict(self.planner.notes)
         if isinstance(message, RunsLost):
             return await self._runs_lost(message.model_ids)
+        if isinstance(message, Committed):
+            return self.store.set_committed(message.checksums)
+        if isinstance(message, Recovered):
+            return await self._recovered(message.results)
+        if isinstance(message, Watch):
+            return await self._watch(message)
         if isinstance(message, QueueDepth):
             if message.by_pool:
                 return self._queue_depths()
@@ -255,7 +233,7 @@ class Scheduler(Actor):
             taken = run.take_cycle()
             items.extend(m.WorkItem(q.request_id, q.op) for q in taken)
             if taken and isinstance(taken[-1].op, m.OptimStep):
-                items.extend(self._automatic_checkpoint(run))
+                items.extend(self.autosave.after_step(run.model_id))
         items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
         self.samples = []
         self.running = {item.request_id: item.op for item in items}
@@ -263,21 +241,12 @@ class Scheduler(Actor):
             self.on_work()
         return items
 
-    def _automatic_checkpoint(self, run: Run) -> list[m.WorkItem]:
-        step = self.steps[run.model_id] = self.steps.get(run.model_id, 0) + 1
-        every = self.config.checkpoint_every
-        if every <= 0 or step % every:
-            return []
-        path = CheckpointPath(run.model_id, "weights", f"auto-{step:06d}")
-        op = m.SaveWeights(run.model_id, -1, path.name, "weights", overwrite=True, path=str(path))
-        return [m.WorkItem(ids.automatic_request_id(run.model_id, step), op)]
-
     async def _finished(self, done: m.ItemDone) -> None:
         request_id = done.request_id
         op = self.running.get(request_id)
         result, error = done.result, done.error
         if isinstance(result, m.SavedState) and isinstance(op, m.SaveWeights):
-            result, error = self._store_checkpoint(op, result, request_id)
+            result, error = self.autosave.write(op, result, request_id, self._owner_of(op.model_id))
         if ids.is_automatic(request_id):
             return
         run = self.runs.get(ids.target_of(request_id))
@@ -288,25 +257,58 @@ class Scheduler(Actor):
                 run.info, run.status = result.info, "ready"
                 self.base_infos[run.base_model] = result.info
                 self.store.set_run_status(run.model_id, "ready", dataclasses.asdict(result.info))
-        await self.results.deliver(request_id, op, result, error, done.cycle_id)
+        self.answers.append(m.ItemDone(done.cycle_id, request_id, result, error))
 
-    def _store_checkpoint(self, op: m.SaveWeights, saved: m.SavedState, request_id: str) -> tuple[Any, Any]:
-        path = CheckpointPath.parse(op.path)
-        automatic = ids.is_automatic(request_id)
-        run = self.runs.get(op.model_id)
-        try:
-            self.catalog.save(path, saved.state, owner=run.owner if run else "", automatic=automatic)
-        except Exception as exc:  # any failure to write fails this save alone, with its cause
-            log.exception("could not write checkpoint %s", path)
-            return None, RemoteError("RequestFailedError", f"could not write checkpoint {path}: {exc}",
-                                     request_id=request_id)
-        if automatic:
-            self.catalog.prune_automatic(op.model_id, self.config.keep_checkpoints)
-        if op.kind == "weights":
-            return t.SaveWeightsResponse(str(path)), None
-        return t.SaveWeightsForSamplerResponse(str(path)), None
+    async def _answer(self) -> None:
+        """Log and push the answers of the cycle that just ended (in the order they were reported)."""
+        answers, self.answers = self.answers, []
+        for done in answers:
+            await self.results.deliver(done.request_id, self.running.get(done.request_id), done.result, done.error,
+                                       done.cycle_id)
 
-    def _cycle_ended(self, ended: CycleEnded) -> None:
+    async def _watch(self, watch: Watch) -> m.Ack:
+        target = ids.target_of(watch.request_id)
+        run = self.store.get_run(target)
+        sampler = self.store.get_sampling_session(target)
+        owner = run.owner if run is not None else sampler[0] if sampler is not None else None
+        stored = self.store.get_request(watch.request_id)
+        if stored is None or owner != watch.owner:
+            raise NotFoundError(f"no request {watch.request_id!r}", field="request_id")
+        await self.results.repeat(watch.peer, stored)
+        return m.Ack()
+
+    def _owner_of(self, model_id: str) -> str:
+        run = self.runs.get(model_id)
+        return run.owner if run is not None else ""
+
+    async def _recovered(self, results: tuple[m.ItemDone, ...]) -> None:
+        """Record what a worker reports of a committed cycle this coordinator's log stops just before."""
+        for done in results:
+            request = ids.RequestId.parse(done.request_id)
+            if request.automatic:
+                if isinstance(done.result, m.SavedState):
+                    self.autosave.write(automatic_save(request.target, request.seq), done.result, done.request_id,
+                                        self._owner_of(request.target))
+                continue
+            run = self.runs.get(request.target)
+            queued = run.queue.get(request.seq) if run is not None else None
+            if run is None or queued is None or queued.rejected:
+                continue
+            del run.queue[request.seq]
+            run.next_seq = request.seq + 1
+            for seq_id in [s for s in run.queue if s < run.next_seq]:  # refused ones it passed
+                del run.queue[seq_id]
+            if isinstance(queued.op, m.OptimStep) and done.error is None:
+                self.autosave.steps[run.model_id] = self.autosave.steps.get(run.model_id, 0) + 1
+            self.running[done.request_id] = queued.op
+            log.info("recorded %s from a worker that committed it before the coordinator restarted",
+                     done.request_id)
+            await self._finished(done)
+        await self._answer()
+        self.running.clear()
+
+    async def _cycle_ended(self, ended: CycleEnded) -> None:
+        await self._answer()
         for run in self.runs.values():
             if ended.aborted:
                 run.cycle_aborted(set(ended.finished))

@@ -19,7 +19,13 @@ from bios import messages as m
 from bios import types as t
 from bios.actors.actor import ActorRef, Policy, spawn
 from bios.actors.remote import serve
-from bios.exceptions import AuthenticationError, BadRequestError, NotFoundError, RequestFailedError
+from bios.exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    ReconnectRequired,
+    RequestFailedError,
+)
 from bios.security.keys import KeyStore
 from bios.security.limits import QuotaLedger, Quotas
 from bios.security.listen import check_listen
@@ -35,12 +41,16 @@ from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
 from .front_door import LOCAL_OWNER, FrontDoor
 from .queries import Queries
-from .scheduler import PlanDescriptions, QueueDepth, Scheduler, SchedulerConfig
+from .mailbox import PlanDescriptions, QueueDepth
+from .scheduler import Scheduler, SchedulerConfig
 from .store import Store
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+# After a restart, the first generation waits up to this many heartbeat timeouts for a worker that kept the
+# runs' state to register again (workers notice the restart at their next heartbeat).
+REJOIN_GRACE_HEARTBEATS = 2
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class Coordinator:
             probe=self._probe,
             collective_timeout_s=self.config.heartbeat_timeout_s,
             metrics=self.metrics,
+            committed=self.store.committed(),
+            rejoin_grace_s=REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s,
         )
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -178,7 +190,8 @@ class Coordinator:
             return _ready(m.WorkerEndpoint(int(self.workers.address.rsplit(":", 1)[1])))
         caller = self.callers.get(peer)
         if caller is None or caller.connection_key != self._connection_key(frames):
-            raise AuthenticationError("this connection has not said Hello; create a ServiceClient first")
+            raise ReconnectRequired("this coordinator does not know this connection (it restarted, or the "
+                                    "connection never said Hello): say Hello again, resuming the session")
         if isinstance(body, m.REQUEST_TYPES):
             return self.front_door.submit(peer, body, caller.owner, [f.bytes for f in frames])
         if isinstance(body, m.SessionHeartbeat):
@@ -211,7 +224,12 @@ class Coordinator:
             raise AuthenticationError("this connection already has a session with another key; reconnect instead")
         session_id = self.sessions.get(peer)
         if session_id is None:
-            session_id = self.sessions[peer] = self.front_door.open_session(caller.owner)
+            if hello.session_id is not None:  # the same client, back after a reconnect or a restart
+                self.front_door.resume_session(hello.session_id, caller.owner)
+                session_id = hello.session_id
+            else:
+                session_id = self.front_door.open_session(caller.owner)
+            self.sessions[peer] = session_id
             self.callers[peer] = caller
         return _ready(m.Welcome(session_id, __version__, self.config.cycle_s))
 
@@ -358,9 +376,19 @@ class Coordinator:
         return True
 
     async def _watch_heartbeats(self) -> None:
+        """Declare dead the workers whose heartbeats stopped, judging only time this coordinator was awake."""
         interval = min(0.5, self.config.heartbeat_timeout_s / 4)
+        stall = self.config.heartbeat_timeout_s / 2
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last > interval + stall:
+                log.warning("the coordinator stalled for %.1fs (a pause, a slow disk or an overloaded host): "
+                            "workers get a fresh %.1fs to be heard from", now - last - interval,
+                            self.config.heartbeat_timeout_s)
+                self.membership.grace()
+            last = now
             for member in self.membership.expire():
                 self.runner.worker_lost(member)
 

@@ -67,6 +67,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     automatic INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_run ON checkpoints (run_id, created);
+CREATE TABLE IF NOT EXISTS committed (
+    model_id TEXT PRIMARY KEY,
+    checksum REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS sampling_sessions (
     sampling_session_id TEXT PRIMARY KEY,
     owner TEXT NOT NULL,
@@ -82,6 +86,16 @@ class StoredRequest:
     request_id: str
     status: str  # accepted | done | failed | rejected
     result: list[bytes] | None
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """An accepted request with no outcome yet: what a restarted coordinator queues again."""
+
+    request_id: str
+    target: str
+    seq_id: int
+    payload: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,15 @@ class Store:
         row = self.db.execute("SELECT * FROM runs WHERE model_id = ?", (model_id,)).fetchone()
         return None if row is None else _run(row)
 
+    def live_runs(self) -> list[StoredRun]:
+        rows = self.db.execute("SELECT * FROM runs WHERE status IN ('creating', 'ready') ORDER BY created").fetchall()
+        return [_run(r) for r in rows]
+
+    def sampling_sessions(self) -> list[tuple[str, str, str, str | None]]:
+        """(sampling session id, owner, base model, model path) of every sampling session."""
+        return [tuple(r) for r in self.db.execute(
+            "SELECT sampling_session_id, owner, base_model, model_path FROM sampling_sessions").fetchall()]
+
     def list_runs(self, owner: str | None = None) -> list[StoredRun]:
         if owner is None:
             rows = self.db.execute("SELECT * FROM runs ORDER BY created").fetchall()
@@ -232,6 +255,38 @@ class Store:
             "SELECT owner, base_model, model_path FROM sampling_sessions WHERE sampling_session_id = ?", (session_id,)
         ).fetchone()
         return None if row is None else (row[0], row[1], row[2])
+
+    def pending_requests(self) -> list[PendingRequest]:
+        rows = self.db.execute("SELECT request_id, model_id, seq_id, payload FROM requests WHERE status = 'accepted' "
+                               "ORDER BY created").fetchall()
+        return [PendingRequest(r[0], r[1], r[2], msgpack.unpackb(r[3])) for r in rows]
+
+    def rejected_seqs(self, target: str) -> dict[int, str]:
+        """seq_id -> request id of a target's refused requests (their seq_ids are used up)."""
+        rows = self.db.execute("SELECT seq_id, request_id FROM requests WHERE model_id = ? AND status = 'rejected'",
+                               (target,)).fetchall()
+        return {int(seq): str(rid) for seq, rid in rows}
+
+    def last_run_seq(self, target: str) -> int:
+        """The highest seq_id of a target that ran (done or failed); -1 if none did."""
+        row = self.db.execute("SELECT MAX(seq_id) FROM requests WHERE model_id = ? AND status IN ('done', 'failed')",
+                              (target,)).fetchone()
+        return -1 if row[0] is None else int(row[0])
+
+    def optimizer_steps(self, target: str) -> int:
+        row = self.db.execute("SELECT COUNT(*) FROM requests WHERE model_id = ? AND kind = 'OptimStep' AND "
+                              "status = 'done'", (target,)).fetchone()
+        return int(row[0])
+
+    def set_committed(self, checksums: dict[str, float]) -> None:
+        """Each adapter's checksum after the last cycle that changed it: a worker that kept it is current."""
+        self.db.execute("BEGIN")
+        self.db.execute("DELETE FROM committed")
+        self.db.executemany("INSERT INTO committed VALUES (?, ?)", list(checksums.items()))
+        self.db.execute("COMMIT")
+
+    def committed(self) -> dict[str, float]:
+        return {str(k): float(v) for k, v in self.db.execute("SELECT model_id, checksum FROM committed").fetchall()}
 
     def get_request(self, request_id: str) -> StoredRequest | None:
         row = self.db.execute("SELECT status, result FROM requests WHERE request_id = ?", (request_id,)).fetchone()

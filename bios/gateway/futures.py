@@ -71,6 +71,9 @@ class Promises:
             self._pending += 1
         return promise
 
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._promises
+
     def forget(self, request_id: str) -> None:
         """Drop a promise whose request was refused at submission (the client got the error, not a promise)."""
         promise = self._promises.get(request_id)

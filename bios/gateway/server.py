@@ -491,6 +491,8 @@ class Gateway:
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
         request_id = (await _json_body(request)).text("request_id")
+        if not self.promises.knows(request_id):
+            await self._recover_promise(request_id, request[OWNER])
         try:
             reply = await self.promises.wait(request_id, request[OWNER], self.config.poll_s)
         except KeyError:
@@ -541,6 +543,30 @@ class Gateway:
         return web.json_response(json_wire.weights_info(run))
 
     # ------------------------------------------------------------------------------------ results
+
+    async def _recover_promise(self, request_id: str, owner: str) -> None:
+        """A request sent before the coordinator (and this gateway) restarted: its promise comes back from the
+        request log, so the client's poll is answered, not refused."""
+        self.promises.expect(request_id, owner, self._render_any)
+        try:
+            await self.front_door.watch(self.peer, request_id, owner)
+        except (NotFoundError, BadRequestError):
+            self.promises.forget(request_id)
+        except BiosAPIError as exc:  # it was refused when it was sent: that is its answer
+            self.promises.fail(request_id, RemoteError.from_exception(exc))
+
+    async def _render_any(self, result: Any) -> Reply:
+        """A result rendered by its type alone (for promises recovered after a restart)."""
+        renders: dict[type, Callable[[Any], Awaitable[Reply]]] = {
+            m.ModelCreated: self._render_created,
+            t.ForwardBackwardOutput: self._render_forward_backward,
+            t.OptimStepResponse: self._render_optim_step,
+            t.SaveWeightsResponse: self._render_saved,
+            t.SaveWeightsForSamplerResponse: self._render_sampler_saved,
+            t.LoadWeightsResponse: self._render_loaded,
+            t.SampleResponse: partial(self._render_sample, None),
+        }
+        return await renders[type(result)](result)
 
     async def _render_created(self, created: m.ModelCreated) -> Reply:
         return json_reply({"model_id": created.model_id, "type": "create_model"})

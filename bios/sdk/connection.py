@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import random
 import threading
 import uuid
@@ -35,11 +36,17 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-HEARTBEAT_S = 10.0
-MISSED_HEARTBEATS = 3
+HEARTBEAT_S = 2.0
+# How long a client waits for a coordinator that went away (a restart, a stall, a network cut) before its
+# requests fail; meanwhile they wait, and are resent by seq_id once it answers again.
+RECONNECT_PATIENCE_S = float(os.environ.get("BIOS_RECONNECT_PATIENCE_S", "300"))
 # A request refused with RateLimitError (a full queue) is resent after the server's retry_after, this many times,
 # before the error reaches the caller; the seq_id stays the same, so order and exactly-once are kept.
 RATE_LIMIT_RETRIES = 30
+
+
+class _Reconnecting(Exception):
+    """Internal: the connection is being re-established; the ask is sent again once it is."""
 
 
 def to_exception(error: RemoteError, *, ran: bool = False) -> exceptions.BiosAPIError:
@@ -61,6 +68,9 @@ class Connection:
         self._thread.start()
         self._results: dict[str, concurrent.futures.Future[Any]] = {}
         self._early: dict[str, m.RequestDone] = {}
+        self._unanswered: dict[str, Any] = {}  # accepted requests with no result yet: resent after a reconnect
+        self._api_key = api_key or None
+        self._reconnecting: asyncio.Future[None] | None = None
         self._closed = False
         self.rate_limited = 0  # requests resent after a RateLimitError, for load reports
         self.codec = m.make_codec()
@@ -94,7 +104,8 @@ class Connection:
             if isinstance(exc, RemoteCallError):
                 raise to_exception(exc.error) from None
             raise
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat(welcome.session_id))
+        self.session_id = welcome.session_id
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat())
         return welcome
 
     def _refused(self, reason: str, api_key: str | None) -> exceptions.BiosAPIError:
@@ -138,7 +149,10 @@ class Connection:
         else:
             self._results[request_id] = result
         try:
-            return await self._ask_with_retries(op)
+            accepted = await self._ask_with_retries(op)
+            if not result.done():
+                self._unanswered[request_id] = op
+            return accepted
         except RemoteCallError as exc:
             error = to_exception(exc.error)
             self._results.pop(request_id, None)
@@ -156,7 +170,7 @@ class Connection:
         resent = 0
         while True:
             try:
-                return await self._remote.ask(op)
+                return await self._ask(op)
             except RemoteCallError as exc:
                 if exc.error.type != "RateLimitError" or resent >= RATE_LIMIT_RETRIES:
                     raise
@@ -168,7 +182,7 @@ class Connection:
     async def ask(self, body: Any, timeout: float | None = None) -> Any:
         """A query with a direct reply; runs on the connection's loop."""
         try:
-            return await self._remote.ask(body, timeout)
+            return await self._ask(body, timeout)
         except RemoteCallError as exc:
             raise to_exception(exc.error) from None
         except asyncio.TimeoutError:
@@ -182,36 +196,100 @@ class Connection:
 
     # ------------------------------------------------------------------------------------ incoming
 
+    async def _ask(self, body: Any, timeout: float | None = None) -> Any:
+        """Ask the coordinator; across a reconnect (it restarted, or went quiet) the same ask is sent again, which
+        is safe: requests are answered by (run, seq_id), never run twice."""
+        while True:
+            if self._reconnecting is not None:
+                await asyncio.shield(self._reconnecting)
+            try:
+                return await self._remote.ask(body, timeout)
+            except _Reconnecting:
+                continue
+            except RemoteCallError as exc:
+                if exc.error.type != "ReconnectRequired":
+                    raise
+                await self._reconnect("the coordinator restarted")
+
     def _on_message(self, env: Envelope) -> None:
         body = env.body
         if not isinstance(body, m.RequestDone):
             log.warning("ignored an unexpected %s from the coordinator", type(body).__name__)
             return
+        self._unanswered.pop(body.request_id, None)
         future = self._results.pop(body.request_id, None)
         if future is None:
             self._early[body.request_id] = body
         else:
             _resolve(future, body)
 
-    async def _heartbeat(self, session_id: str) -> None:
-        missed = 0
+    async def _heartbeat(self) -> None:
+        """A heartbeat that goes unanswered, or that a restarted coordinator does not know, starts a reconnect."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             try:
-                await self._remote.ask(m.SessionHeartbeat(session_id), timeout=HEARTBEAT_S)
-                missed = 0
-            except (asyncio.TimeoutError, RemoteCallError) as exc:
-                missed += 1
-                log.warning("heartbeat to %s failed (%d/%d): %s", self.address, missed, MISSED_HEARTBEATS, exc)
-                if missed >= MISSED_HEARTBEATS:
-                    self._fail_all(exceptions.APIConnectionError(
-                        f"lost the coordinator at {self.address}: {missed} heartbeats unanswered"))
+                await self._ask(m.SessionHeartbeat(self.session_id), timeout=2 * HEARTBEAT_S)
+                continue
+            except asyncio.TimeoutError:
+                why = f"no answer to a heartbeat within {2 * HEARTBEAT_S:.0f}s"
+            except RemoteCallError as exc:
+                self._fail_all(to_exception(exc.error))  # the session was closed, or its key revoked
+                return
+            except exceptions.BiosAPIError:
+                return  # a reconnect ran out of patience: every request has failed with its error
+            try:
+                await self._reconnect(why)
+            except exceptions.BiosAPIError:
+                return
+
+    async def _reconnect(self, why: str) -> None:
+        """Say Hello again, resuming this session, then resend every accepted request still unanswered.
+
+        Requests wait meanwhile; only after `RECONNECT_PATIENCE_S` without an answer do they fail."""
+        if self._reconnecting is not None:
+            return await asyncio.shield(self._reconnecting)
+        self._reconnecting = asyncio.get_running_loop().create_future()
+        log.warning("lost the coordinator at %s (%s): reconnecting for up to %.0fs; %d request(s) wait and will "
+                    "be resent", self.address, why, RECONNECT_PATIENCE_S, len(self._unanswered))
+        self._remote.fail_pending(_Reconnecting())
+        deadline = asyncio.get_running_loop().time() + RECONNECT_PATIENCE_S
+        hello = m.Hello(api_key=self._api_key, sdk_version=bios.__version__, session_id=self.session_id)
+        try:
+            while True:
+                try:
+                    await self._remote.ask(hello, timeout=HEARTBEAT_S)
+                    break
+                except (asyncio.TimeoutError, _Reconnecting):
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise exceptions.APIConnectionError(
+                            f"lost the coordinator at {self.address}: no answer for {RECONNECT_PATIENCE_S:.0f}s "
+                            "(set BIOS_RECONNECT_PATIENCE_S to wait longer)") from None
+                except RemoteCallError as exc:
+                    raise to_exception(exc.error) from None
+        except exceptions.BiosAPIError as exc:
+            self._fail_all(exc)
+            failed, self._reconnecting = self._reconnecting, None
+            failed.set_exception(exc)
+            failed.exception()  # marked retrieved: waiters get it through their shield
+            raise
+        log.warning("reconnected to %s; resending %d unanswered request(s)", self.address, len(self._unanswered))
+        done, self._reconnecting = self._reconnecting, None
+        done.set_result(None)
+        for op in list(self._unanswered.values()):
+            asyncio.ensure_future(self._resend(op))
+
+    async def _resend(self, op: Any) -> None:
+        try:
+            await self._ask(op)
+        except Exception as exc:  # its result (or error) still arrives as a push, or the patience runs out
+            log.debug("resending %s: %s", type(op).__name__, exc)
 
     def _fail_all(self, error: Exception) -> None:
         for future in self._results.values():
             if not future.done():
                 future.set_exception(error)
         self._results.clear()
+        self._unanswered.clear()
         self._remote.fail_pending(error)
 
     # ------------------------------------------------------------------------------------ closing

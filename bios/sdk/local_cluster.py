@@ -84,17 +84,44 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.address = ""
+        self._addresses: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------ lifecycle
 
     def start(self) -> LocalCluster:
+        addresses = self._start_coordinator(self.listen)
+        self.address = addresses["clients"]
+        self.http_url = addresses.get("http")
+        self.metrics_url = addresses.get("metrics")
+        for _ in range(self.num_workers):
+            self.add_worker()
+        return self
+
+    def restart_coordinator(self) -> None:
+        """SIGKILL the coordinator and start a new one on the same addresses and state dir, as an operator's
+        supervisor would; the workers and clients carry on with it."""
+        assert self.coordinator is not None, "start the cluster first"
+        self.coordinator.kill()
+        self.coordinator.wait()
+        self.start_coordinator_again()
+
+    def start_coordinator_again(self) -> None:
+        """Start a coordinator on the addresses and state dir of the last one (which must be gone)."""
+        workers_port = int(self._addresses["workers"].rsplit(":", 1)[1])
+        http = self.http_url.removeprefix("http://") if self.http_url else None
+        self._start_coordinator(self.address, workers_port, http)
+
+    def _start_coordinator(self, listen: str, worker_port: int | None = None,
+                           http: str | None = None) -> dict[str, str]:
+        http = http or self.http
         ready = self.state_dir / "coordinator.json"
         ready.unlink(missing_ok=True)
         self.coordinator = self._spawn(
             "coordinator",
             [
                 "-m", "bios.coordinator.main",
-                "--listen", self.listen,
+                "--listen", listen,
+                *(["--worker-port", str(worker_port)] if worker_port is not None else []),
                 "--state-dir", str(self.state_dir),
                 "--cycle-s", str(self.cycle_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
@@ -103,7 +130,7 @@ class LocalCluster:
                 "--checkpoint-every", str(self.checkpoint_every),
                 "--keep-checkpoints", str(self.keep_checkpoints),
                 "--log-format", self.log_format,
-                *(["--http", self.http] if self.http else []),
+                *(["--http", http] if http else []),
                 *(["--metrics", self.metrics] if self.metrics else []),
             ],
         )
@@ -116,13 +143,8 @@ class LocalCluster:
                 self.stop()
                 raise exceptions.TimeoutError(f"the coordinator did not start within {self.start_timeout_s:.0f}s")
             time.sleep(0.02)
-        addresses = json.loads(ready.read_text())
-        self.address = addresses["clients"]
-        self.http_url = addresses.get("http")
-        self.metrics_url = addresses.get("metrics")
-        for _ in range(self.num_workers):
-            self.add_worker()
-        return self
+        self._addresses = json.loads(ready.read_text())
+        return self._addresses
 
     def add_worker(self, memory_limit: str | int | None = None) -> subprocess.Popen[bytes]:
         """Start one more worker; `memory_limit` (bytes or e.g. "2GiB") overrides `worker_memory_limit`."""

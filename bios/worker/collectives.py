@@ -99,8 +99,9 @@ class CollectiveGroup:
         return self.rank % self.tp
 
     def rebuild(self, generation: int, rank: int, world: int, master_host: str, master_port: int,
-                timeout_s: float, tp: int = 1) -> None:
-        """Leave the old group and join this generation's; blocks until every member has joined."""
+                timeout_s: float, tp: int = 1, epoch: str = "") -> None:
+        """Leave the old group and join this generation's; blocks until every member has joined. `epoch` names
+        the coordinator's incarnation: a restarted one numbers generations afresh, under keys of its own."""
         self.destroy()
         if world % tp:
             raise CollectiveError(f"generation {generation}: {world} workers do not form replicas of {tp}")
@@ -114,7 +115,7 @@ class CollectiveGroup:
             self._client = dist.TCPStore(master_host, master_port, is_master=False, timeout=timeout, use_libuv=True)
             base = self._client
         try:
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/", base), rank=rank,
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{epoch}gen{generation}/", base), rank=rank,
                                     world_size=world, timeout=timeout)
             if tp > 1:
                 self._subgroups(tp)

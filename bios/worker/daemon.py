@@ -54,7 +54,7 @@ def device_memory(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class HeldAdapters:
-    """Ask the trainer for the checksums of the adapters it holds."""
+    """Ask the trainer for the checksums of the adapters it holds and what it keeps of its last cycle."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,13 @@ class Trainer(Actor):
         self.executor = CycleExecutor(pool, group)
         self.send = send
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.last_cycle: m.HeldCycle | None = None  # what a restarted coordinator may need of the last commit
 
     async def receive(self, message: Any) -> Any:
         loop = asyncio.get_running_loop()
         if isinstance(message, HeldAdapters):  # after any queued cycle, so it reports what they left
-            return await loop.run_in_executor(self.thread, self.executor.held_checksums)
+            holdings = await loop.run_in_executor(self.thread, self.executor.held_checksums)
+            return holdings, self.last_cycle if holdings else None
         if isinstance(message, m.Reconfigure):
             try:
                 checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
@@ -92,12 +94,17 @@ class Trainer(Actor):
             return
         assert isinstance(message, m.RunCycle)
 
+        reported: list[m.ItemDone] = []
+
         def report(done: m.ItemDone) -> None:
+            reported.append(done)
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(done)))
 
         outcome = CycleOutcome(True, "the cycle crashed on this worker", {})
         try:
             outcome = await loop.run_in_executor(self.thread, self.executor.run, message, report)
+            if not outcome.aborted:
+                self.last_cycle = m.HeldCycle(message.cycle_id, outcome.before, reported)
         finally:
             await asyncio.sleep(0)  # let the reports queued by the compute thread go out first
             await self.send(m.CycleDone(message.cycle_id, self.identity(), outcome.aborted, outcome.reason,
@@ -154,7 +161,7 @@ class WorkerDaemon:
 
     async def _register(self, address: str) -> asyncio.Task[None]:
         """Connect under the current worker id, register, and start heartbeats (the returned task)."""
-        holdings = await self.trainer.ask(HeldAdapters())
+        holdings, last_cycle = await self.trainer.ask(HeldAdapters())
         dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode(), security=self.security)
         watch = HandshakeWatch(dealer.sock)
         dealer.connect(address)
@@ -172,6 +179,7 @@ class WorkerDaemon:
                 store_port=self.group.store_port,
                 runtime_bytes=runtime_footprint(self.config.device),
                 holdings=holdings,
+                last_cycle=last_cycle,
             ),
             timeout=self.config.discover_timeout_s,
         )

@@ -57,6 +57,7 @@ class CycleOutcome:
     reason: str
     checksums: dict[str, float]
     seconds: dict[str, float] = field(default_factory=dict)
+    before: dict[str, float] = field(default_factory=dict)  # whole adapters' checksums when the cycle began
 
 
 def shard_range(token_counts: list[int], world: int, rank: int) -> tuple[int, int]:
@@ -83,6 +84,7 @@ class CycleExecutor:
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
         started = time.perf_counter()
+        before = self.held_checksums()
         creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
@@ -111,7 +113,7 @@ class CycleExecutor:
         checksums = {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
                      if mid in self.pool.adapters}
         self.seconds["cycle"] = time.perf_counter() - started
-        return CycleOutcome(False, "", checksums, self.seconds)
+        return CycleOutcome(False, "", checksums, self.seconds, before)
 
     # ------------------------------------------------------------------------------------ forward
 
@@ -230,13 +232,14 @@ class CycleExecutor:
         self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
         self.grad_norms.clear()
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
-                           msg.tp)
+                           msg.tp, msg.epoch)
         self.pool.bind_group(self.group.tp_group)
-        for spec in msg.adapters:
-            checkpoint = msg.restore.get(spec.model_id)
-            if checkpoint is not None or spec.model_id not in self.pool.adapters:
-                self.pool.create(m.CreateModel("", 0, spec.base_model, spec.lora, state=checkpoint,
-                                               with_optimizer=True), model_id=spec.model_id, seed=spec.lora.seed or 0)
+        for wanted_spec in msg.adapters:
+            checkpoint = msg.restore.get(wanted_spec.model_id)
+            if checkpoint is not None or wanted_spec.model_id not in self.pool.adapters:
+                self.pool.create(m.CreateModel("", 0, wanted_spec.base_model, wanted_spec.lora, state=checkpoint,
+                                               with_optimizer=True), model_id=wanted_spec.model_id,
+                                 seed=wanted_spec.lora.seed or 0)
         for model_id in sorted(wanted):
             state = self.pool.adapters[model_id].state
             engine.discard_gradients(state)

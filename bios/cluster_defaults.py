@@ -1,0 +1,8 @@
+"""Defaults that `bios-coordinator` and `bios up` share, so the two ways of starting a cluster agree."""
+
+# Every 10 optimizer steps, two kept per run: if the coordinator and every worker are lost together, a run
+# resumes at most 9 steps back; a lone coordinator restart or worker loss rolls back nothing (live replicas hold
+# every acknowledged step). `--checkpoint-every 1` makes every acknowledged step survive even losing every
+# process at once, for about the cost of one save per step (bench/coordinator_restart.py measures it).
+CHECKPOINT_EVERY = 10
+KEEP_CHECKPOINTS = 2
