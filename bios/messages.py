@@ -144,7 +144,19 @@ class Sample:
     adapter_state: CheckpointState | None = None
 
 
-REQUEST_TYPES: tuple[type, ...] = (CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Sample)
+@dataclass(frozen=True)
+class ReleaseSeq:
+    """Give up a seq_id the client reserved but will not send (its request failed on the client's side, or the
+    gateway could not parse it), so the run's later requests do not wait for it. Never runs: admission refuses
+    it with `reason`, which uses the seq_id up; a resend of that seq_id gets the same answer."""
+
+    model_id: str
+    seq_id: int
+    reason: str
+
+
+REQUEST_TYPES: tuple[type, ...] = (CreateModel, ForwardBackward, OptimStep, SaveWeights, LoadWeights, Sample,
+                                   ReleaseSeq)
 FORWARD_TYPES: tuple[type, ...] = (ForwardBackward,)
 
 

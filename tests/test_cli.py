@@ -22,6 +22,7 @@ def test_status_runs_checkpoints_and_export(cluster, service, tmp_path):
 
     status = bios_cli("status", "--address", cluster.address)
     assert "active" in status and "cycles:" in status
+    assert f"state dir {cluster.state_dir}" in status and "GiB free of" in status
     assert tc.model_id in bios_cli("runs", "list", "--address", cluster.address)
     listing = bios_cli("checkpoints", "list", tc.model_id, "--address", cluster.address)
     assert path in listing and "sampler" in listing

@@ -229,3 +229,15 @@ def test_ids_are_built_and_parsed_in_one_place():
     assert ids.is_automatic(ids.automatic_request_id(run, 4)) and ids.target_of(ids.automatic_request_id(run, 4)) == run
     with pytest.raises(BadRequestError):
         ids.ModelId.parse("no-kind-here")
+
+
+def test_a_failing_custom_loss_gives_its_seq_id_up_and_the_run_goes_on(service):
+    tc = service.create_lora_training_client(BASE, rank=4, seed=5)
+
+    def broken(data, logprobs):
+        raise ValueError("the user's loss is broken")
+
+    with pytest.raises(ValueError, match="broken"):
+        tc.forward_backward_custom(GOOD, broken).result(60)
+    after = tc.forward_backward(GOOD).result(60)  # not stuck behind the given-up seq_id
+    assert math.isfinite(after.metrics["loss:sum"])

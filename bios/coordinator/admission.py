@@ -205,6 +205,8 @@ class Admission:
     def prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
         """Check a request against the spec and its run; fill in what only the coordinator knows (the same
         way every time: a restarted coordinator prepares its accepted requests again)."""
+        if isinstance(op, m.ReleaseSeq):  # the one way to use up a seq_id without running anything
+            raise BadRequestError(f"seq_id {op.seq_id} of {run.model_id} was given up: {op.reason}", field="seq_id")
         if isinstance(op, m.ForwardBackward):
             self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
             spec.check_forward(op.data, op.loss_fn, op.loss_fn_config,

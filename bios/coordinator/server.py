@@ -275,6 +275,7 @@ class Coordinator:
             uptime_s=time.monotonic() - self._started,
             phase_seconds=dict(self.runner.phase_seconds),
             plans=await self.scheduler.ask(PlanDescriptions()),
+            state_dir=self.store.disk.space(),
         )
 
     async def refresh_metrics(self) -> None:

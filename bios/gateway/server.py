@@ -325,12 +325,12 @@ class Gateway:
     def _consume(self, model_id: object, seq_id: object, owner: str) -> None:
         """Use up the seq_id of a request refused here, so the run's later requests do not wait for it.
 
-        The coordinator refuses the empty forward that stands in for it, which moves the run's queue on exactly
-        as it does for a request it refuses itself.
+        A `ReleaseSeq` stands in for it: the coordinator refuses it, which moves the run's queue on exactly as it
+        does for a request it refuses itself.
         """
         if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             return
-        stand_in = m.ForwardBackward(model_id, seq_id, [], "cross_entropy")
+        stand_in = m.ReleaseSeq(model_id, seq_id, "the gateway could not parse its request")
         ready = self.gate.admit(model_id, seq_id, _Ordered(stand_in, owner))
         if ready:
             with contextlib.suppress(Exception):  # if even this is refused, the gap timeout ends the wait

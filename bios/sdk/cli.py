@@ -80,6 +80,11 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
     for base_model, plan in status.plans.items():
         print(f"plan {base_model}: {plan}")
+    if status.state_dir is not None:
+        space = status.state_dir
+        print(f"state dir {space.path}: {space.free_bytes / 2**30:.1f} GiB free of {space.total_bytes / 2**30:.1f} GiB")
+        if space.warning:
+            print(f"warning: {space.warning}")
     return 0
 
 

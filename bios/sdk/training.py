@@ -141,9 +141,10 @@ class TrainingClient:
             ]
             op = m.ForwardBackward(self.model_id, seq_id, weighted, "cross_entropy", None, False)
         except BaseException as exc:
-            # Keep the run's order moving: the reserved seq_id still runs, as a no-op forward.
-            self._conn.submit(m.ForwardBackward(self.model_id, seq_id, stripped[:1], "cross_entropy", None, True),
-                              request_id)
+            # Keep the run's order moving: the reserved seq_id is given up.
+            accepted, _ = self._conn.submit(m.ReleaseSeq(self.model_id, seq_id, f"the custom loss raised {exc!r}"),
+                                            request_id)
+            accepted.add_done_callback(lambda f: f.exception())  # refused by design: that uses the seq_id up
             result.set_exception(exc)
             return
         _, backward = self._conn.submit(op, request_id)
