@@ -7,6 +7,7 @@ way it arrives, and neither touches the store or the scheduler's internals.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,12 +38,14 @@ class FrontDoor:
         self.codec = codec
         self.capabilities = capabilities
         self.status = status
+        self.seen: dict[str, float] = {}  # session id -> when this coordinator last heard from it
 
     # ------------------------------------------------------------------------------------ sessions
 
     def open_session(self, owner: str = LOCAL_OWNER) -> str:
         session_id = uuid.uuid4().hex[:16]
         self.store.add_session(session_id, owner)
+        self.seen[session_id] = time.monotonic()
         return session_id
 
     def owns_session(self, session_id: str, owner: str) -> bool:
@@ -61,11 +64,22 @@ class FrontDoor:
     def heartbeat(self, session_id: str, owner: str) -> bool:
         """False when the session was closed."""
         self.check_session(session_id, owner)
+        self.seen[session_id] = time.monotonic()
         return self.store.touch_session(session_id)
 
     def close_session(self, session_id: str, owner: str) -> None:
         self.check_session(session_id, owner)
         self.store.close_session(session_id)
+        self.seen.pop(session_id, None)
+
+    def expire_sessions(self, timeout_s: float) -> list[str]:
+        """Close the sessions not heard from for `timeout_s` (their runs and checkpoints stay); returns them."""
+        limit = time.monotonic() - timeout_s
+        expired = [session_id for session_id, seen in self.seen.items() if seen < limit]
+        for session_id in expired:
+            self.store.close_session(session_id)
+            del self.seen[session_id]
+        return expired
 
     def sessions(self, owner: str) -> list[str]:
         return self.queries.sessions(owner)

@@ -34,6 +34,13 @@ class Watch:
 
 
 @dataclass(frozen=True)
+class Stalled:
+    """Why requests queued longer than `older_than_s` have not run: one line per run (the watchdog logs them)."""
+
+    older_than_s: float
+
+
+@dataclass(frozen=True)
 class SelectWork:
     pass
 

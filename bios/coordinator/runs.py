@@ -7,6 +7,7 @@ queue moves past it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ class Queued:
     request_id: str
     op: Any
     rejected: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -54,6 +56,19 @@ class Run:
             if not isinstance(item.op, m.FORWARD_TYPES):
                 break
         return taken
+
+    def stalled(self, older_than_s: float) -> str | None:
+        """Why this run's queue has made no progress for `older_than_s`, if it has not (None otherwise)."""
+        waiting = [q for q in self.queue.values() if not q.rejected]
+        if not waiting:
+            return None
+        age = time.monotonic() - min(q.queued_at for q in waiting)
+        if age < older_than_s:
+            return None
+        if not self.runnable():
+            return (f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s for seq_id {self.next_seq}, "
+                    "which never arrived (a client that reserved it and died?)")
+        return f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s to run"
 
     def cycle_committed(self) -> None:
         self.in_flight.clear()

@@ -39,6 +39,7 @@ from .mailbox import (
     Recovered,
     RunsLost,
     SelectWork,
+    Stalled,
     Watch,
 )
 from .autosave import AutoSave, automatic_save
@@ -126,6 +127,8 @@ class Scheduler(Actor):
             return await self._recovered(message.results)
         if isinstance(message, Watch):
             return await self._watch(message)
+        if isinstance(message, Stalled):
+            return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
         if isinstance(message, QueueDepth):
             if message.by_pool:
                 return self._queue_depths()

@@ -44,6 +44,7 @@ from .queries import Queries
 from .mailbox import PlanDescriptions, QueueDepth
 from .scheduler import Scheduler, SchedulerConfig
 from .store import Store
+from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class CoordinatorConfig:
     state_dir: Path = Path("bios-state")
     cycle_s: float = 10.0
     heartbeat_timeout_s: float = 5.0
-    session_timeout_s: float = 120.0
+    session_timeout_s: float = 600.0  # longer than the SDK's reconnect patience, so a returning client resumes
+    stalled_after_s: float = 300.0  # the watchdog reports requests queued longer than this
     worker_heartbeat_s: float = 1.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -143,12 +145,17 @@ class Coordinator:
             committed=self.store.committed(),
             rejoin_grace_s=REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s,
         )
+        watchdog = Watchdog(self.membership, self.runner, self.scheduler, self.front_door,
+                            heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+                            session_timeout_s=self.config.session_timeout_s,
+                            stalled_after_s=self.config.stalled_after_s)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
             loop.create_task(serve(self.workers, self._dispatch_worker), name="workers"),
             loop.create_task(self.runner.run_forever(), name="cycles"),
-            loop.create_task(self._watch_heartbeats(), name="heartbeats"),
+            loop.create_task(watchdog.watch_heartbeats(), name="heartbeats"),
+            loop.create_task(watchdog.watch_progress(), name="progress"),
         ]
         log.info("coordinator serving clients on %s and workers on %s (cycle_s=%s)", clients, workers, self.config.cycle_s)
         return Addresses(clients, workers)
@@ -376,22 +383,6 @@ class Coordinator:
             return False
         return True
 
-    async def _watch_heartbeats(self) -> None:
-        """Declare dead the workers whose heartbeats stopped, judging only time this coordinator was awake."""
-        interval = min(0.5, self.config.heartbeat_timeout_s / 4)
-        stall = self.config.heartbeat_timeout_s / 2
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            if now - last > interval + stall:
-                log.warning("the coordinator stalled for %.1fs (a pause, a slow disk or an overloaded host): "
-                            "workers get a fresh %.1fs to be heard from", now - last - interval,
-                            self.config.heartbeat_timeout_s)
-                self.membership.grace()
-            last = now
-            for member in self.membership.expire():
-                self.runner.worker_lost(member)
 
 
 def _ready(value: Any) -> asyncio.Future[Any]:

@@ -1,0 +1,62 @@
+"""The coordinator's timers: workers whose heartbeats stopped, queues that make no progress, idle sessions.
+
+Liveness is judged only on time the coordinator itself was awake: after a stall (a pause, a slow disk, an
+overloaded host) every worker gets a fresh heartbeat timeout, since its heartbeats wait unread in the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from bios.actors.actor import ActorRef
+
+from .front_door import FrontDoor
+from .mailbox import QueueDepth, Stalled
+from .membership import Membership
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, membership: Membership, runner: Any, scheduler: ActorRef, front_door: FrontDoor, *,
+                 heartbeat_timeout_s: float, session_timeout_s: float, stalled_after_s: float) -> None:
+        self.membership = membership
+        self.runner = runner
+        self.scheduler = scheduler
+        self.front_door = front_door
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.session_timeout_s = session_timeout_s
+        self.stalled_after_s = stalled_after_s
+
+    async def watch_heartbeats(self) -> None:
+        """Declare dead the workers whose heartbeats stopped, judging only time this coordinator was awake."""
+        interval = min(0.5, self.heartbeat_timeout_s / 4)
+        stall = self.heartbeat_timeout_s / 2
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - last > interval + stall:
+                log.warning("the coordinator stalled for %.1fs (a pause, a slow disk or an overloaded host): "
+                            "workers get a fresh %.1fs to be heard from", now - last - interval,
+                            self.heartbeat_timeout_s)
+                self.membership.grace()
+            last = now
+            for member in self.membership.expire():
+                self.runner.worker_lost(member)
+
+    async def watch_progress(self) -> None:
+        """Report queues that make no progress and close sessions nobody heard from for the session timeout."""
+        interval = min(30.0, self.stalled_after_s / 2)
+        while True:
+            await asyncio.sleep(interval)
+            for why in await self.scheduler.ask(Stalled(self.stalled_after_s)):
+                log.warning("no progress: %s", why)
+            waiting = await self.scheduler.ask(QueueDepth())
+            if waiting and not self.membership.alive():
+                log.warning("%d request(s) wait: no worker is connected (start one with bios-worker)", waiting)
+            for session_id in self.front_door.expire_sessions(self.session_timeout_s):
+                log.info("session %s closed: nothing heard from it for %.0fs", session_id, self.session_timeout_s)
