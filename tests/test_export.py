@@ -20,6 +20,13 @@ from bios.worker.lora import attach_lora
 TOKENS = list(b"Bios exports standard PEFT adapters.")
 
 
+@pytest.fixture(autouse=True)
+def fp32_base(monkeypatch):
+    """The exports are compared with fp32 Hugging Face models to 1e-4: Bios's side must hold its base in fp32
+    too, whatever the caller's BIOS_BASE_DTYPE (bf16 would be the default on an avx512_bf16 CPU)."""
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")
+
+
 def trained_like_state(base_model: str, **config):
     """A checkpoint whose A and B are both non-zero (as after training), from a Bios-loaded base model."""
     loaded = load_base_model(base_model)

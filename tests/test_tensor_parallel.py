@@ -54,6 +54,15 @@ SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
 WORKER_TIMEOUT_S = 120
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fp32_base():
+    """The exact comparisons need fp32 base weights, in this process and in the workers it spawns, whatever the
+    caller's BIOS_BASE_DTYPE; the bf16 pass casts its model itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BIOS_BASE_DTYPE", "float32")
+        yield
+
+
 def tiny_llama() -> LlamaForCausalLM:
     """4 query heads and 2 key/value heads: TP=2 keeps one GQA group (2 q heads, 1 kv head) per worker."""
     model = random_llama(VOCAB)
