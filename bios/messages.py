@@ -176,6 +176,14 @@ class RequestDone:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Pushed to a request's client while it waits: why it waits (the client logs it)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
 class SavedState:
     """A worker's answer to SaveWeights: the tensors for the coordinator's checkpoint store."""
 

@@ -61,6 +61,7 @@ class _Cycle:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
     collective_failed: bool = False
+    worker_died: bool = False  # a member was lost while running it (killed, out of memory, its host gone)
 
 
 @dataclass
@@ -169,7 +170,7 @@ class CycleRunner:
         elif self.ranked and self.layout.tp == 1:
             self.committed.update(cycle.checksums.get(self.ranked[0].worker_id, {}))
         self.scheduler.tell(Committed(dict(self.committed)))
-        self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted))
+        self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted, cycle.worker_died))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again", cycle.cycle_id,
                         len(cycle.expected - cycle.finished), len(cycle.expected))
@@ -247,7 +248,7 @@ class CycleRunner:
             if state is not None and member.worker_id in state.waiting:
                 state.waiting.discard(member.worker_id)
                 if isinstance(state, _Cycle):
-                    state.aborted = True
+                    state.aborted = state.worker_died = True
                     self._maybe_done(state)
                 else:
                     state.failed.add(member.worker_id)

@@ -55,6 +55,7 @@ class CycleEnded:
     cycle_id: int
     finished: frozenset[str]
     aborted: bool
+    worker_died: bool = False  # aborted because a member died while running it
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ trace; the scheduler `adopt`s a choice once the run is accepted and `forget`s a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ Workers = Callable[[], list[Any]]  # the live workers (membership Members: memor
 # Plans are sized for forward/backward passes of at most this many (padded) tokens; workers split bigger
 # batches into passes of this size, so a plan holds whatever the batch.
 PLAN_TOKENS_PER_PASS = 4096
+MIN_TOKENS_PER_PASS = 256
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,26 @@ class PoolPlanner:
             return {}
         waiting, self.waiting = self.waiting, {}
         return waiting
+
+    def budgets(self) -> list[int]:
+        """The live workers' memory budgets (bytes)."""
+        return [worker.memory_bytes for worker in self.workers()]
+
+    def shrink_passes(self, base_models: set[str]) -> int | None:
+        """Halve the per-pass token budget of `base_models` (a worker died running their requests: plans err on
+        the safe side of measured peaks from now on); the new budget, or None when none had a plan."""
+        shrunk = None
+        for base_model in base_models:
+            plan = self.plans.get(base_model)
+            if plan is None:
+                continue
+            tokens = max(MIN_TOKENS_PER_PASS, plan.batch_tokens // 2)
+            self.plans[base_model] = dataclasses.replace(plan, batch_tokens=tokens)
+            self.notes[base_model] = self.plans[base_model].describe() + " (halved after a worker died)"
+            log.warning("%s: passes of at most %d tokens from now on (a worker died running its requests)",
+                        base_model, tokens)
+            shrunk = tokens
+        return shrunk
 
     def model_plans(self) -> list[m.ModelPlan]:
         return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens)

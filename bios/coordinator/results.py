@@ -82,5 +82,11 @@ class ResultRouter:
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
 
-    def encode(self, done: m.RequestDone) -> list[bytes]:
+    async def notify(self, request_id: str, message: str) -> None:
+        """Tell the peers waiting for a request why it waits (a worker died, no worker is connected...)."""
+        frames = self.encode(m.Notice(request_id, message))
+        for peer in self.waiters.get(request_id, ()):
+            await self.push(peer, frames)
+
+    def encode(self, done: m.RequestDone | m.Notice) -> list[bytes]:
         return [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), done))]

@@ -21,6 +21,7 @@ class Queued:
     op: Any
     rejected: bool = False
     queued_at: float = field(default_factory=time.monotonic)
+    deaths: int = 0  # cycles that aborted because a worker died while running this request
 
 
 @dataclass
@@ -36,6 +37,21 @@ class Run:
     next_seq: int = 0
     queue: dict[int, Queued] = field(default_factory=dict)
     in_flight: list[tuple[int, Queued]] = field(default_factory=list)
+
+    def describe(self, memory_plan: str | None) -> t.GetInfoResponse:
+        """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base."""
+        info = self.info
+        return t.GetInfoResponse(
+            model_id=self.model_id,
+            model_data=t.ModelData(arch=info.arch if info else None, model_name=self.base_model,
+                                   tokenizer_id=info.local_dir if info else None),
+            is_lora=True,
+            lora_rank=self.lora.rank,
+            model_name=self.base_model,
+            memory_plan=memory_plan,
+            base_dtype=info.base_dtype if info else None,
+            lora_seed=self.lora.seed,
+        )
 
     def enqueue(self, seq_id: int, item: Queued) -> None:
         self.queue[seq_id] = item
@@ -73,10 +89,23 @@ class Run:
     def cycle_committed(self) -> None:
         self.in_flight.clear()
 
-    def cycle_aborted(self, finished: set[str]) -> None:
-        """Return an aborted cycle's unfinished items (with the rejected ones between them) to the queue."""
+    def cycle_aborted(self, finished: set[str], *, worker_died: bool = False,
+                      max_deaths: int = 2) -> list[Queued]:
+        """Return an aborted cycle's unfinished items (with the rejected ones between them) to the queue.
+
+        With `worker_died`, each unfinished item counts a death; one that reaches `max_deaths` is given up (its
+        seq_id used up) and returned, for the caller to fail: a batch that kills workers is not fed to the next.
+        """
+        given_up = []
         for seq_id, item in self.in_flight:
-            if item.request_id not in finished:
-                self.queue[seq_id] = item
-                self.next_seq = min(self.next_seq, seq_id)
+            if item.request_id in finished:
+                continue
+            if worker_died and not item.rejected:
+                item.deaths += 1
+                if item.deaths >= max_deaths:
+                    given_up.append(item)
+                    item = Queued(item.request_id, item.op, rejected=True)
+            self.queue[seq_id] = item
+            self.next_seq = min(self.next_seq, seq_id)
         self.in_flight.clear()
+        return given_up

@@ -42,7 +42,7 @@ from .mailbox import (
     Stalled,
     Watch,
 )
-from .autosave import AutoSave, automatic_save
+from .autosave import AutoSave, automatic_save, killed_twice
 from .catalog import Catalog
 from .disk import is_disk_full
 from .metrics import CoordinatorMetrics
@@ -312,17 +312,34 @@ class Scheduler(Actor):
 
     async def _cycle_ended(self, ended: CycleEnded) -> None:
         await self._answer()
+        died = ended.aborted and ended.worker_died
         for run in self.runs.values():
-            if ended.aborted:
-                run.cycle_aborted(set(ended.finished))
-            else:
+            if not ended.aborted:
                 run.cycle_committed()
+                continue
+            for queued in run.cycle_aborted(set(ended.finished), worker_died=died):
+                await self.results.deliver(queued.request_id, queued.op, None, RemoteError(
+                    "RequestFailedError", killed_twice(queued, self.planner.budgets()), request_id=queued.request_id))
+        if died:
+            await self._retry_smaller()
         if ended.aborted:
             self.samples = [Queued(rid, op) for rid, op in self.running.items()
                             if isinstance(op, m.Sample) and rid not in ended.finished] + self.samples
         self.running = {}
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
+
+    async def _retry_smaller(self) -> None:
+        """A worker died inside the cycle (killed, or out of memory): its requests run once more, in smaller
+        passes, and their clients hear why they wait."""
+        retried = [(run, q) for run in self.runs.values() for q in run.queue.values()
+                   if q.deaths == 1 and not q.rejected]
+        shrunk = self.planner.shrink_passes({run.base_model for run, _ in retried})
+        for _, queued in retried:
+            await self.results.notify(queued.request_id, (
+                "a worker died while running this request (killed, or out of memory); it runs again"
+                + (f" in passes of at most {shrunk} tokens" if shrunk else "")
+                + (" when a worker is connected" if not self.planner.workers() else "")))
 
     async def _runs_lost(self, model_ids: tuple[str, ...]) -> None:
         for model_id in model_ids:
@@ -341,7 +358,8 @@ class Scheduler(Actor):
 
     def _query(self, owner: str, body: Any) -> Any:
         if isinstance(body, m.GetInfo):
-            return self._describe(run_for(self.runs, body.model_id, owner))
+            run = run_for(self.runs, body.model_id, owner)
+            return run.describe(self.planner.notes.get(run.base_model))
         if isinstance(body, m.CreateSamplingSession):
             return self._create_sampler(owner, body)
         if isinstance(body, m.GetSamplingSession):
@@ -368,20 +386,3 @@ class Scheduler(Actor):
         self.samplers[sampling_session_id] = Sampler(owner, str(base_model), model_path)
         self.store.add_sampling_session(sampling_session_id, owner, str(base_model), model_path)
         return m.SamplingSession(sampling_session_id, str(base_model), model_path)
-
-    def _describe(self, run: Run) -> t.GetInfoResponse:
-        info = run.info
-        return t.GetInfoResponse(
-            model_id=run.model_id,
-            model_data=t.ModelData(
-                arch=info.arch if info else None,
-                model_name=run.base_model,
-                tokenizer_id=info.local_dir if info else None,
-            ),
-            is_lora=True,
-            lora_rank=run.lora.rank,
-            model_name=run.base_model,
-            memory_plan=self.planner.notes.get(run.base_model),
-            base_dtype=info.base_dtype if info else None,
-            lora_seed=run.lora.seed,
-        )

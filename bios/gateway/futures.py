@@ -83,6 +83,9 @@ class Promises:
 
     def deliver(self, done: m.RequestDone) -> None:
         """A result pushed by the coordinator; rendering runs as a task so the push never waits on it."""
+        if isinstance(done, m.Notice):
+            log.info("%s: %s", done.request_id, done.message)
+            return
         promise = self._promises.get(done.request_id)
         if promise is None or promise.reply is not None:
             log.debug("result for %s has no open promise; dropped", done.request_id)

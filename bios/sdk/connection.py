@@ -213,6 +213,9 @@ class Connection:
 
     def _on_message(self, env: Envelope) -> None:
         body = env.body
+        if isinstance(body, m.Notice):
+            log.warning("%s: %s", body.request_id, body.message)
+            return
         if not isinstance(body, m.RequestDone):
             log.warning("ignored an unexpected %s from the coordinator", type(body).__name__)
             return
