@@ -62,7 +62,10 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
     vocab_out = model.get_output_embeddings().out_features
     rows = []
     for item_index, item in enumerate(items):
-        spec.loss_config(item.loss_fn, item.loss_fn_config)
+        try:
+            spec.loss_config(item.loss_fn, item.loss_fn_config)
+        except BadRequestError as error:
+            raise ValueError(f"item {item_index} ({item.adapter.model_id}): {error.message}") from None
         for datum_index, datum in enumerate(item.data):
             where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}"
             tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
