@@ -24,7 +24,6 @@ from bios.actors.remote import RemoteError
 from bios.exceptions import RateLimitError
 from bios.gateway import json_wire, proto
 from bios.gateway.futures import Promises, json_reply
-from bios.gateway.ordering import SeqGate
 from bios.gateway.server import Gateway, GatewayConfig, error_response
 
 KEY = "tml-test"
@@ -35,7 +34,7 @@ LR = 1e-2
 @pytest.fixture(scope="module")
 def cluster():
     # A short long-poll and gap timeout keep the misuse tests quick; the SDK re-polls on try_again.
-    env = {"BIOS_GATEWAY_POLL_S": "2", "BIOS_GATEWAY_SEQ_GAP_S": "3"}
+    env = {"BIOS_GATEWAY_POLL_S": "2", "BIOS_SEQ_GAP_S": "3"}
     with bios.LocalCluster(http="127.0.0.1:0", env=env) as c:
         yield c
 
@@ -385,22 +384,6 @@ def test_forward_backward_protobuf_becomes_the_native_op():
     assert op.data[0].loss_fn_inputs["weights"].to_numpy().dtype == np.float32
 
 
-async def test_seq_gate_holds_early_requests_and_fails_them_when_the_gap_never_fills():
-    expired: list[tuple[str, int, list[str]]] = []
-    gate = SeqGate(0.05, lambda model, missing, ops: expired.append((model, missing, ops)))
-    gate.open("m")
-    assert gate.admit("m", 2, "two") == [] and gate.admit("m", 3, "three") == []
-    assert gate.admit("m", 1, "one") == ["one", "two", "three"]
-    assert gate.admit("m", 2, "again") == ["again"]  # a resubmission passes straight on
-    assert gate.admit("m", 5, "five") == []
-    await asyncio.sleep(0.2)
-    assert expired == [("m", 4, ["five"])]
-    gate.rewind("m", 4, [(5, "five again")])  # 4 and 5 were handed on, but refused before reaching the coordinator
-    assert gate.admit("m", 4, "four") == ["four", "five again"]
-    assert gate.admit("other", 7, "x") == ["x"]  # runs the gate did not open are not ordered here
-    gate.close()
-
-
 async def test_a_poll_answers_when_the_result_comes_or_gives_up_after_its_time():
     promises = Promises(keep_served_s=60, keep_unclaimed_s=60)
 
@@ -417,9 +400,9 @@ async def test_a_poll_answers_when_the_result_comes_or_gives_up_after_its_time()
             await promises.wait(request_id, owner, 0.01)
 
     promises.expect("r#2", "alice", render)
-    promises.fail("r#2", RemoteError("BadRequestError", "gap"), resubmittable=True)
+    promises.fail("r#2", RemoteError("BadRequestError", "gap"))
     assert b"gap" in (await promises.wait("r#2", "alice", 1)).body
-    promises.expect("r#2", "alice", render)  # resent after a failure that never reached the coordinator: afresh
+    promises.expect("r#2", "alice", render)  # resent after a failure: the coordinator answers it afresh
     assert await promises.wait("r#2", "alice", 0.01) is None
 
 

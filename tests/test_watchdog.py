@@ -38,3 +38,16 @@ def test_sessions_nobody_hears_from_are_closed(tmp_path):
     assert not door.heartbeat(idle, "alice")  # closed: a client coming back is told so
     assert door.heartbeat(alive, "alice")
     store.close()
+
+
+def test_requests_behind_a_gap_that_never_fills_are_withdrawn_naming_the_seq_id():
+    old = time.monotonic() - 600
+    queued = Queued("s:train:0#4", m.OptimStep("s:train:0", 4, t.AdamParams()), queued_at=old)
+    refused = Queued("s:train:0#3", None, rejected=True)
+    run = _run_with({3: refused, 4: queued}, 2)
+    assert run.expire_gap(120) == []  # it progressed just now (it was created)
+    run.progressed_at = old
+    withdrawn = run.expire_gap(120)
+    assert [q for q, _ in withdrawn] == [queued] and "seq_id 2 never arrived" in withdrawn[0][1]
+    assert run.queue == {3: refused}  # a refused seq_id stays used up
+    assert _run_with({2: queued}, 2).expire_gap(0) == []  # runnable: no gap

@@ -41,6 +41,13 @@ class Stalled:
 
 
 @dataclass(frozen=True)
+class ExpireGaps:
+    """Withdraw the requests that have waited `gap_s` behind a seq_id that never came."""
+
+    gap_s: float
+
+
+@dataclass(frozen=True)
 class SelectWork:
     pass
 

@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_state_dir(p, "SQLite store, keys and checkpoints")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
+    p.add_argument("--seq-gap", type=float, default=float(os.environ.get("BIOS_SEQ_GAP_S", 120.0)),
+                   help="seconds a run's requests wait for a seq_id that never came before they are withdrawn "
+                        "(their clients are told to resend it)")
     p.add_argument("--checkpoint-every", type=int, default=cluster_defaults.CHECKPOINT_EVERY,
                    help="automatic checkpoint of each run every N optimizer steps (0 = off; 1 = no acknowledged "
                         "step is ever rolled back)")
@@ -64,6 +67,7 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
         cycle_s=args.cycle_s,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        seq_gap_s=args.seq_gap,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         quotas=Quotas.from_env(),

@@ -82,6 +82,16 @@ class ResultRouter:
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
 
+    async def withdraw(self, request_id: str, op: Any, error: RemoteError) -> None:
+        """Take back an accepted request that never ran: its waiters get `error`, the log forgets it (a resend
+        runs it afresh)."""
+        self.metrics.request_rejected(request_id, op, error.message)
+        self.store.forget_request(request_id)
+        self.ledger.release(request_id)
+        frames = self.encode(m.RequestDone(request_id, error=error))
+        for peer in self.waiters.pop(request_id, ()):
+            await self.push(peer, frames)
+
     async def notify(self, request_id: str, message: str) -> None:
         """Tell the peers waiting for a request why it waits (a worker died, no worker is connected...)."""
         frames = self.encode(m.Notice(request_id, message))

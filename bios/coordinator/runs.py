@@ -37,6 +37,7 @@ class Run:
     next_seq: int = 0
     queue: dict[int, Queued] = field(default_factory=dict)
     in_flight: list[tuple[int, Queued]] = field(default_factory=list)
+    progressed_at: float = field(default_factory=time.monotonic)  # when its next request last came or ran
 
     def describe(self, memory_plan: str | None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base."""
@@ -55,6 +56,19 @@ class Run:
 
     def enqueue(self, seq_id: int, item: Queued) -> None:
         self.queue[seq_id] = item
+        if seq_id == self.next_seq:
+            self.progressed_at = time.monotonic()
+
+    def expire_gap(self, gap_s: float) -> list[tuple[Queued, str]]:
+        """Requests that have waited `gap_s` behind a seq_id that never came (a client sends a call's chunks
+        at once, so one can go missing), taken out of the queue for the caller to withdraw, each with why.
+        Nothing when the run is not stuck behind a gap."""
+        if self.runnable() or not self.queue or time.monotonic() - self.progressed_at < gap_s:
+            return []
+        waiting = [seq_id for seq_id in sorted(self.queue) if not self.queue[seq_id].rejected]
+        return [(self.queue.pop(seq_id), f"request seq_id {seq_id} of {self.model_id} was not run: seq_id "
+                 f"{self.next_seq} never arrived within {gap_s:.0f}s; resend seq_id {self.next_seq} and the "
+                 "requests after it") for seq_id in waiting]
 
     def runnable(self) -> bool:
         return self.next_seq in self.queue
@@ -66,6 +80,7 @@ class Run:
             item = self.queue.pop(self.next_seq)
             self.in_flight.append((self.next_seq, item))
             self.next_seq += 1
+            self.progressed_at = time.monotonic()
             if item.rejected:
                 continue
             taken.append(item)

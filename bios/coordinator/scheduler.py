@@ -38,6 +38,7 @@ from .mailbox import (
     QueueDepth,
     Recovered,
     RunsLost,
+    ExpireGaps,
     SelectWork,
     Stalled,
     Watch,
@@ -127,6 +128,8 @@ class Scheduler(Actor):
             return await self._recovered(message.results)
         if isinstance(message, Watch):
             return await self._watch(message)
+        if isinstance(message, ExpireGaps):
+            return await self._expire_gaps(message.gap_s)
         if isinstance(message, Stalled):
             return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
         if isinstance(message, QueueDepth):
@@ -328,6 +331,12 @@ class Scheduler(Actor):
         self.running = {}
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
+
+    async def _expire_gaps(self, gap_s: float) -> None:
+        for run in self.runs.values():
+            for queued, why in run.expire_gap(gap_s):
+                await self.results.withdraw(queued.request_id, queued.op, RemoteError(
+                    "BadRequestError", why, field="seq_id", request_id=queued.request_id))
 
     async def _retry_smaller(self) -> None:
         """A worker died inside the cycle (killed, or out of memory): its requests run once more, in smaller

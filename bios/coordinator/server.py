@@ -63,6 +63,7 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 5.0
     session_timeout_s: float = 600.0  # longer than the SDK's reconnect patience, so a returning client resumes
     stalled_after_s: float = 300.0  # the watchdog reports requests queued longer than this
+    seq_gap_s: float = 120.0  # requests waiting this long behind a seq_id that never came are withdrawn
     worker_heartbeat_s: float = 1.0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -148,7 +149,7 @@ class Coordinator:
         watchdog = Watchdog(self.membership, self.runner, self.scheduler, self.front_door,
                             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
                             session_timeout_s=self.config.session_timeout_s,
-                            stalled_after_s=self.config.stalled_after_s)
+                            stalled_after_s=self.config.stalled_after_s, seq_gap_s=self.config.seq_gap_s)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
@@ -156,6 +157,7 @@ class Coordinator:
             loop.create_task(self.runner.run_forever(), name="cycles"),
             loop.create_task(watchdog.watch_heartbeats(), name="heartbeats"),
             loop.create_task(watchdog.watch_progress(), name="progress"),
+            loop.create_task(watchdog.watch_gaps(), name="gaps"),
         ]
         log.info("coordinator serving clients on %s and workers on %s (cycle_s=%s)", clients, workers, self.config.cycle_s)
         return Addresses(clients, workers)

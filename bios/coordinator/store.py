@@ -216,6 +216,10 @@ class Store:
             (request_id, model_id, seq_id, kind, now, now, msgpack.packb(result)),
         )
 
+    def forget_request(self, request_id: str) -> None:
+        """As if it never came: a request withdrawn before it ran, so that resending it runs it."""
+        self.db.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))
+
     def finish_request(self, request_id: str, status: str, result: list[bytes]) -> None:
         self.db.execute(
             "UPDATE requests SET status = ?, finished = ?, result = ?, payload = NULL WHERE request_id = ?",

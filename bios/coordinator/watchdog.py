@@ -14,7 +14,7 @@ from typing import Any
 from bios.actors.actor import ActorRef
 
 from .front_door import FrontDoor
-from .mailbox import QueueDepth, Stalled
+from .mailbox import ExpireGaps, QueueDepth, Stalled
 from .membership import Membership
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 class Watchdog:
     def __init__(self, membership: Membership, runner: Any, scheduler: ActorRef, front_door: FrontDoor, *,
-                 heartbeat_timeout_s: float, session_timeout_s: float, stalled_after_s: float) -> None:
+                 heartbeat_timeout_s: float, session_timeout_s: float, stalled_after_s: float,
+                 seq_gap_s: float) -> None:
         self.membership = membership
         self.runner = runner
         self.scheduler = scheduler
@@ -30,6 +31,7 @@ class Watchdog:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.session_timeout_s = session_timeout_s
         self.stalled_after_s = stalled_after_s
+        self.seq_gap_s = seq_gap_s
 
     async def watch_heartbeats(self) -> None:
         """Declare dead the workers whose heartbeats stopped, judging only time this coordinator was awake."""
@@ -47,6 +49,13 @@ class Watchdog:
             last = now
             for member in self.membership.expire():
                 self.runner.worker_lost(member)
+
+    async def watch_gaps(self) -> None:
+        """Requests waiting behind a seq_id that never came are withdrawn after `seq_gap_s`, so no run is held
+        forever by a lost request (their clients are told which seq_id to resend)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.seq_gap_s / 4))
+            await self.scheduler.ask(ExpireGaps(self.seq_gap_s))
 
     async def watch_progress(self) -> None:
         """Report queues that make no progress and close sessions nobody heard from for the session timeout."""

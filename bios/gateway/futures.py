@@ -49,7 +49,8 @@ class Promise:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     reply: Reply | None = None
     served_at: float | None = None
-    resubmittable: bool = False  # failed before reaching the coordinator: a resubmission starts afresh
+    failed: bool = False  # its reply is an error: a resubmission asks the coordinator again (which may run it,
+    # if it was withdrawn, or answer the same error from its log)
 
 
 class Promises:
@@ -66,7 +67,7 @@ class Promises:
     def expect(self, request_id: str, owner: str, render: Render) -> Promise:
         """The promise of `request_id`, created unless it exists (a resubmitted request keeps its promise)."""
         promise = self._promises.get(request_id)
-        if promise is None or promise.resubmittable:
+        if promise is None or promise.failed:
             promise = self._promises[request_id] = Promise(request_id, owner, render)
             self._pending += 1
         return promise
@@ -91,7 +92,7 @@ class Promises:
             log.debug("result for %s has no open promise; dropped", done.request_id)
             return
         if done.error is not None:
-            self.settle(done.request_id, json_reply(json_wire.failure(done.error)))
+            self.fail(done.request_id, done.error)
             return
         task = asyncio.get_running_loop().create_task(self._render(promise, done.result))
         self._rendering.add(task)
@@ -106,11 +107,11 @@ class Promises:
             reply = json_reply(json_wire.failure(error))
         self.settle(promise.request_id, reply)
 
-    def fail(self, request_id: str, error: RemoteError, *, resubmittable: bool = False) -> None:
+    def fail(self, request_id: str, error: RemoteError) -> None:
         promise = self._promises.get(request_id)
         if promise is not None and promise.reply is None:
             self.settle(request_id, json_reply(json_wire.failure(error)))
-            promise.resubmittable = resubmittable
+            promise.failed = True
 
     def settle(self, request_id: str, reply: Reply) -> None:
         promise = self._promises.get(request_id)

@@ -39,7 +39,6 @@ from bios.exceptions import (
 
 from . import json_wire, proto
 from .futures import PROTOBUF, Promises, Reply, json_reply
-from .ordering import SeqGate
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ _STATUS: dict[str, int] = {
 @dataclass(frozen=True)
 class GatewayConfig:
     poll_s: float = 30.0  # a retrieve_future waits this long before answering try_again (the SDK gives up at 45 s)
-    seq_gap_s: float = 120.0  # early requests fail when the seq_id before them has not come for this long
     max_pending: int = 10_000  # unfinished requests beyond which new ones get 429 + Retry-After
     keep_served_s: float = 300.0  # a served result stays this long for a client that polls it again
     keep_unclaimed_s: float = 3600.0  # a result nobody retrieved is dropped after this long
@@ -71,12 +69,11 @@ class GatewayConfig:
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
-        """Defaults, overridden by `BIOS_GATEWAY_POLL_S`, `BIOS_GATEWAY_SEQ_GAP_S`, `BIOS_GATEWAY_MAX_PENDING`."""
+        """Defaults, overridden by `BIOS_GATEWAY_POLL_S` and `BIOS_GATEWAY_MAX_PENDING`."""
         env = os.environ
         default = cls()
         return cls(
             poll_s=float(env.get("BIOS_GATEWAY_POLL_S", default.poll_s)),
-            seq_gap_s=float(env.get("BIOS_GATEWAY_SEQ_GAP_S", default.seq_gap_s)),
             max_pending=int(env.get("BIOS_GATEWAY_MAX_PENDING", default.max_pending)),
         )
 
@@ -161,14 +158,6 @@ def _request_id(op: Any) -> str:
     return ids.request_id(_model_id(op), 0 if isinstance(op, m.CreateModel) else op.seq_id)
 
 
-@dataclass(frozen=True)
-class _Ordered:
-    """A run's request on its way to the coordinator, with the owner it is submitted for."""
-
-    op: Any
-    owner: str
-
-
 class Gateway:
     """The HTTP front end of one coordinator; `start` binds it, `stop` drains long-polls and closes it."""
 
@@ -177,7 +166,6 @@ class Gateway:
         self.front_door = coordinator.front_door
         self.config = config or GatewayConfig()
         self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
-        self.gate = SeqGate(self.config.seq_gap_s, self._gap_timed_out)
         self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
         self.samplers: dict[str, list[str]] = {}  # session id -> sampling sessions opened through this gateway
         self.url = ""
@@ -241,7 +229,6 @@ class Gateway:
     async def stop(self) -> None:
         """Answer every waiting long-poll with try_again, then close the server."""
         self.promises.close()
-        self.gate.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -265,7 +252,7 @@ class Gateway:
         self.front_door.check_session(session_id, owner)
 
     async def _submit(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
-        """Hand an op to the coordinator now (create, sample); its promise exists before any result can arrive."""
+        """Hand an op to the coordinator now; its promise exists before any result can arrive."""
         self._check_capacity()
         request_id = _request_id(op)
         self.promises.expect(request_id, owner, render)
@@ -276,85 +263,27 @@ class Gateway:
             raise
         return request_id
 
-    async def _submit_ordered(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
-        """Hand a run's request on in seq_id order: at once when its turn has come, else when the gap fills.
-
-        A request handed on at once reports the coordinator's refusal as the HTTP error; one that waited has
-        been promised already, so its refusal becomes its retrieve_future result.
-        """
-        self._check_capacity()
-        request_id = _request_id(op)
-        self.promises.expect(request_id, owner, render)
-        try:
-            ready = self.gate.admit(op.model_id, op.seq_id, _Ordered(op, owner))
-            if ready:
-                await self._hand_on(ready)
-        except BaseException:
-            self.promises.forget(request_id)
-            raise
-        return request_id
-
-    def _hand_on(self, ready: list[_Ordered]) -> asyncio.Future[Any]:
-        """Submit in this order (the scheduler's mailbox keeps call order); returns the first one's acceptance.
-
-        The ones after the first were promised while they waited, so they report to their promises. One the
-        coordinator refuses outright (e.g. its owner's queue is full) never reached it: the gate takes it and
-        those after it back, so nothing reaches the coordinator out of order.
-        """
-        first: asyncio.Future[Any] | None = None
-        for i, item in enumerate(ready):
-            try:
-                future = self.front_door.submit(self.peer, item.op, item.owner)
-            except Exception as exc:
-                self.gate.rewind(item.op.model_id, item.op.seq_id, [(r.op.seq_id, r) for r in ready[i + 1:]])
-                if first is None:
-                    raise
-                self.promises.fail(_request_id(item.op), RemoteError.from_exception(exc), resubmittable=True)
-                return first
-            if first is None:
-                first = future
-            else:
-                future.add_done_callback(partial(self._handed_on, _request_id(item.op)))
-        assert first is not None
-        return first
-
-    def _handed_on(self, request_id: str, future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            self.promises.fail(request_id, RemoteError.from_exception(future.exception()))
-
     def _consume(self, model_id: object, seq_id: object, owner: str) -> None:
-        """Use up the seq_id of a request refused here, so the run's later requests do not wait for it.
-
-        A `ReleaseSeq` stands in for it: the coordinator refuses it, which moves the run's queue on exactly as it
-        does for a request it refuses itself.
-        """
+        """Use up the seq_id of a request refused here, so the run's later requests do not wait for it: a
+        `ReleaseSeq` stands in for it, which the coordinator refuses, moving the run's queue on."""
         if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
             return
-        stand_in = m.ReleaseSeq(model_id, seq_id, "the gateway could not parse its request")
-        ready = self.gate.admit(model_id, seq_id, _Ordered(stand_in, owner))
-        if ready:
-            with contextlib.suppress(Exception):  # if even this is refused, the gap timeout ends the wait
-                self._hand_on(ready).add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def _gap_timed_out(self, model_id: str, missing: int, held: list[_Ordered]) -> None:
-        for item in held:
-            self.promises.fail(_request_id(item.op), RemoteError(
-                "BadRequestError",
-                f"request seq_id {item.op.seq_id} of {model_id} was not run: seq_id {missing} never arrived within "
-                f"{self.config.seq_gap_s:.0f}s; resend seq_id {missing} and the requests after it",
-                field="seq_id",
-            ), resubmittable=True)
+        with contextlib.suppress(Exception):  # if even this is refused, the coordinator's gap timeout ends the wait
+            stand_in = m.ReleaseSeq(model_id, seq_id, "the gateway could not parse its request")
+            self.front_door.submit(self.peer, stand_in, owner).add_done_callback(
+                lambda f: f.cancelled() or f.exception())
 
     async def _ordered(self, request: web.Request, body: json_wire.Body,
                        parse: Callable[[json_wire.Body], tuple[Any, Any]]) -> web.Response:
-        """Parse and submit a run's JSON request; one refused here still uses up its seq_id."""
+        """Parse and submit a run's JSON request; one refused here still uses up its seq_id. Requests go to the
+        coordinator as they come: it runs a run's requests in seq_id order, however they arrive."""
         owner = request[OWNER]
         try:
             op, render = parse(body)
         except BadRequestError:
             self._consume(body.data.get("model_id"), body.data.get("seq_id"), owner)
             raise
-        request_id = await self._submit_ordered(op, owner, render)
+        request_id = await self._submit(op, owner, render)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     # ------------------------------------------------------------------------------------ session routes
@@ -418,7 +347,6 @@ class Gateway:
         self._check_session(op.session_id, owner)
         model_id = _model_id(op)
         request_id = await self._submit(op, owner, self._render_created)
-        self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     async def get_info(self, request: web.Request) -> web.Response:
@@ -437,7 +365,7 @@ class Gateway:
         except BadRequestError:
             self._consume(msg.model_id, msg.seq_id, request[OWNER])
             raise
-        request_id = await self._submit_ordered(op, request[OWNER], self._render_forward_backward)
+        request_id = await self._submit(op, request[OWNER], self._render_forward_backward)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     async def optim_step(self, request: web.Request) -> web.Response:
@@ -466,7 +394,6 @@ class Gateway:
         self._check_session(op.session_id, owner)
         model_id = _model_id(op)
         request_id = await self._submit(op, owner, partial(self._render_created_from, op.from_path))
-        self.gate.open(model_id)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     # ------------------------------------------------------------------------------------ sampling routes

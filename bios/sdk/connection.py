@@ -216,8 +216,8 @@ class Connection:
         if isinstance(body, m.Notice):
             log.warning("%s: %s", body.request_id, body.message)
             return
-        if not isinstance(body, m.RequestDone):
-            log.warning("ignored an unexpected %s from the coordinator", type(body).__name__)
+        if not isinstance(body, m.RequestDone):  # a late reply to an ask given up at a reconnect
+            log.debug("ignored a late %s from the coordinator", type(body).__name__)
             return
         self._unanswered.pop(body.request_id, None)
         future = self._results.pop(body.request_id, None)
