@@ -84,8 +84,10 @@ class ModelPool:
             if shard_info(loaded.model) is not None:
                 rebind_group(loaded.model, group)
 
-    def _layout(self, name: str) -> tuple[int, int, m.ModelPlan]:
-        return self.tp, self.tp_rank, self.plans.get(name, m.ModelPlan(name))
+    def _layout(self, name: str) -> tuple[int, int, bool]:
+        """What a base model is loaded for: its shard and whether its layers checkpoint activations. The pass
+        size is not part of it (`tokens_per_pass` is read at each pass), so shrinking passes keeps every adapter."""
+        return self.tp, self.tp_rank, self.plans.get(name, m.ModelPlan(name)).activation_checkpointing
 
     def tokens_per_pass(self, name: str) -> int:
         return self.plans.get(name, m.ModelPlan(name)).tokens_per_pass
