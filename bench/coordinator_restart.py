@@ -17,13 +17,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from machine import describe_machine  # noqa: E402
-from training_throughput import make_batch  # noqa: E402
+from training_throughput import make_batch, pipelined_steps_per_s  # noqa: E402
 
 import bios  # noqa: E402
 from bios import types  # noqa: E402
@@ -55,20 +54,8 @@ async def steps_per_s(model: str, data: list[types.Datum], steps: int, every: in
             bios.LocalCluster(cycle_s=0.0, state_dir=state, checkpoint_every=every) as cluster:
         service = bios.ServiceClient(address=cluster.address)
         tc = await service.create_lora_training_client_async(model, rank=16, seed=0)
-        params = types.AdamParams(learning_rate=1e-4)
-        in_flight: deque = deque()
-        for n in range(steps + 2):
-            if n == 2:  # two warm-up steps
-                while in_flight:
-                    await in_flight.popleft()
-                started = time.perf_counter()
-            await tc.forward_backward_async(data, "cross_entropy")
-            in_flight.append(await tc.optim_step_async(params))
-            if len(in_flight) >= depth:
-                await in_flight.popleft()
-        while in_flight:
-            await in_flight.popleft()
-        rate = steps / (time.perf_counter() - started)
+        await pipelined_steps_per_s(tc, data, 2, depth)  # warm-up
+        rate = await pipelined_steps_per_s(tc, data, steps, depth)
         service.close()
     return rate
 

@@ -62,26 +62,27 @@ def peft_steps_per_s(model_name: str, data: list[types.Datum], rank: int, steps:
     return steps / (time.perf_counter() - started)
 
 
+async def pipelined_steps_per_s(tc: bios.TrainingClient, data: list[types.Datum], steps: int, depth: int) -> float:
+    """`steps` (forward_backward, optim_step) pairs with up to `depth` steps in flight; steps per second."""
+    params = types.AdamParams(learning_rate=1e-4)
+    in_flight: deque = deque()
+    started = time.perf_counter()
+    for _ in range(steps):
+        await tc.forward_backward_async(data, "cross_entropy")
+        in_flight.append(await tc.optim_step_async(params))
+        if len(in_flight) >= depth:
+            await in_flight.popleft()
+    while in_flight:
+        await in_flight.popleft()
+    return steps / (time.perf_counter() - started)
+
+
 async def bios_steps_per_s(model_name: str, data: list[types.Datum], rank: int, steps: int, warmup: int,
                            depth: int) -> float:
     with bios.ServiceClient() as service:
         tc = await service.create_lora_training_client_async(model_name, rank=rank, seed=0)
-        params = types.AdamParams(learning_rate=1e-4)
-
-        async def run(n: int) -> float:
-            in_flight: deque = deque()
-            started = time.perf_counter()
-            for _ in range(n):
-                await tc.forward_backward_async(data, "cross_entropy")
-                in_flight.append(await tc.optim_step_async(params))
-                if len(in_flight) >= depth:
-                    await in_flight.popleft()
-            while in_flight:
-                await in_flight.popleft()
-            return n / (time.perf_counter() - started)
-
-        await run(warmup)
-        return await run(steps)
+        await pipelined_steps_per_s(tc, data, warmup, depth)
+        return await pipelined_steps_per_s(tc, data, steps, depth)
 
 
 def main() -> None:

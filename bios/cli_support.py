@@ -7,6 +7,8 @@ import argparse
 import os
 from pathlib import Path
 
+from bios import cluster_defaults
+
 USAGE_EXIT = 2  # as argparse: the command line itself is wrong
 
 
@@ -31,6 +33,15 @@ def add_state_dir(parser: argparse.ArgumentParser, what: str) -> None:
     """`--state-dir`, defaulting to $BIOS_STATE_DIR or ./bios-state, as the coordinator's own."""
     parser.add_argument("--state-dir", type=Path, default=Path(os.environ.get("BIOS_STATE_DIR", "bios-state")),
                         help=f"{what} ($BIOS_STATE_DIR)")
+
+
+def add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint-every` and `--keep-checkpoints`, with the defaults `bios-coordinator` and `bios up` share."""
+    parser.add_argument("--checkpoint-every", type=int, default=cluster_defaults.CHECKPOINT_EVERY,
+                        help="automatic checkpoint of each run every N optimizer steps (0 = off; 1 = no "
+                             "acknowledged step is ever rolled back)")
+    parser.add_argument("--keep-checkpoints", type=int, default=cluster_defaults.KEEP_CHECKPOINTS,
+                        help="automatic checkpoints kept per run")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import zmq
 
-from bios import cluster_defaults
 from bios.actors import loop as event_loop
-from bios.cli_support import HelpFormatter, add_state_dir
+from bios.cli_support import HelpFormatter, add_checkpoint_options, add_state_dir
 from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError
 
@@ -43,11 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-gap", type=float, default=float(os.environ.get("BIOS_SEQ_GAP_S", 120.0)),
                    help="seconds a run's requests wait for a seq_id that never came before they are withdrawn "
                         "(their clients are told to resend it)")
-    p.add_argument("--checkpoint-every", type=int, default=cluster_defaults.CHECKPOINT_EVERY,
-                   help="automatic checkpoint of each run every N optimizer steps (0 = off; 1 = no acknowledged "
-                        "step is ever rolled back)")
-    p.add_argument("--keep-checkpoints", type=int, default=cluster_defaults.KEEP_CHECKPOINTS,
-                   help="automatic checkpoints kept per run")
+    add_checkpoint_options(p)
     p.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one; default: off)")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",

@@ -17,8 +17,14 @@ from pathlib import Path
 
 import psutil
 
-from bios import cluster_defaults
-from bios.cli_support import USAGE_EXIT, CommandError, HelpFormatter, add_state_dir, parse_size
+from bios.cli_support import (
+    USAGE_EXIT,
+    CommandError,
+    HelpFormatter,
+    add_checkpoint_options,
+    add_state_dir,
+    parse_size,
+)
 from bios.security.keys import KeyStore
 
 from .local_cluster import LocalCluster
@@ -47,11 +53,7 @@ def add_up_parsers(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--cycle-s", type=float, default=0.0,
                     help="seconds between cycles; 0 runs them back to back (bios-coordinator's default is 10)")
     up.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
-    up.add_argument("--checkpoint-every", type=int, default=cluster_defaults.CHECKPOINT_EVERY,
-                    help="automatic checkpoint of each run every N optimizer steps (0 = off; 1 = no acknowledged "
-                         "step is ever rolled back)")
-    up.add_argument("--keep-checkpoints", type=int, default=cluster_defaults.KEEP_CHECKPOINTS,
-                    help="automatic checkpoints kept per run")
+    add_checkpoint_options(up)
     up.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
                     help="each worker's memory budget instead of its device's (e.g. 2GiB); a model that does not "
                          "fit is split over several workers")
