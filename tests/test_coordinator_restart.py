@@ -21,7 +21,7 @@ STEPS = 10
 
 
 def _train(cluster: bios.LocalCluster, disturb=None) -> tuple[list[float], dict]:
-    """STEPS pipelined steps on two workers; `disturb(step)` runs after each step's requests are sent."""
+    """STEPS pipelined steps on two workers; `disturb(step, futures)` runs after each step's requests are sent."""
     service = bios.ServiceClient(address=cluster.address)
     try:
         wait_for_workers(service, 2)
@@ -31,7 +31,7 @@ def _train(cluster: bios.LocalCluster, disturb=None) -> tuple[list[float], dict]
             futures.append(tc.forward_backward(BATCH))
             futures.append(tc.optim_step(PARAMS))
             if disturb is not None:
-                disturb(step)
+                disturb(step, futures)
         results = [future.result(300) for future in futures]
         steps = [r.metrics["step:max"] for r in results[1::2]]
         return steps, saved_adapter(service, tc)
@@ -61,7 +61,7 @@ def _in_a_cycle(cluster: bios.LocalCluster, rng: random.Random) -> None:
 def test_sigkilled_coordinator_resumes_every_run_exactly(tmp_path, fault_free):
     rng = random.Random(5)
     with _cluster(tmp_path) as cluster:
-        steps, weights = _train(cluster, lambda step: _in_a_cycle(cluster, rng))
+        steps, weights = _train(cluster, lambda step, futures: _in_a_cycle(cluster, rng))
         log = cluster.log_path("coordinator").read_text()
     assert steps == list(range(1, STEPS + 1))
     assert_same_weights(weights, fault_free)
@@ -74,7 +74,7 @@ def test_sigkilled_coordinator_resumes_every_run_exactly(tmp_path, fault_free):
 
 def test_requests_sent_while_the_coordinator_is_down_are_run_once(tmp_path, fault_free):
     with _cluster(tmp_path) as cluster:
-        def down_while_sending(step: int) -> None:
+        def down_while_sending(step: int, futures: list) -> None:
             if step % 3 == 0 and step + 1 < STEPS:  # killed after sending step 3k; 3k+1 is sent while it is down
                 cluster.coordinator.kill()
                 cluster.coordinator.wait()
@@ -89,12 +89,15 @@ def test_requests_sent_while_the_coordinator_is_down_are_run_once(tmp_path, faul
 def test_a_stalled_coordinator_keeps_its_workers_and_runs(tmp_path, fault_free):
     rng = random.Random(9)
     with _cluster(tmp_path) as cluster:
-        def stall(step: int) -> None:
-            if step % 2 == 0:  # idle (between steps) and mid-cycle alike: the next step is already queued
-                time.sleep(rng.uniform(0.0, 0.3))
-                os.kill(cluster.coordinator.pid, signal.SIGSTOP)
-                time.sleep(3 * cluster.heartbeat_timeout_s)
-                os.kill(cluster.coordinator.pid, signal.SIGCONT)
+        def stall(step: int, futures: list) -> None:
+            """Mid-cycle on even steps (the step was just sent), idle on odd ones (after its result)."""
+            if step % 2:
+                futures[-1].result(300)
+            else:
+                time.sleep(rng.uniform(0.0, 0.1))
+            os.kill(cluster.coordinator.pid, signal.SIGSTOP)
+            time.sleep(3 * cluster.heartbeat_timeout_s)
+            os.kill(cluster.coordinator.pid, signal.SIGCONT)
 
         steps, weights = _train(cluster, stall)
         log = cluster.log_path("coordinator").read_text()
