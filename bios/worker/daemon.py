@@ -39,6 +39,9 @@ from .pool import ModelPool
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 120.0  # exit anyway if the coordinator never answers a leave
+# A registration the coordinator does not answer within this is sent again: it may have died (and restarted)
+# between receiving it and answering, and the worker must not wait on a dead one or exit.
+REGISTER_TIMEOUT_S = 5.0
 
 
 def default_device() -> torch.device:
@@ -137,7 +140,13 @@ class WorkerDaemon:
                              name="trainer", policy=Policy.RESUME)
         rejoins = 0
         while True:
-            heartbeat = await self._register(address)
+            try:
+                heartbeat = await self._register(address)
+            except asyncio.TimeoutError:
+                log.warning("the coordinator did not answer this worker's registration within %.0fs (restarting?): "
+                            "registering again", REGISTER_TIMEOUT_S)
+                await self._disconnect()
+                continue
             stop = asyncio.ensure_future(self.stop_requested.wait())
             rejoin = asyncio.ensure_future(self.rejoin_requested.wait())
             await asyncio.wait({stop, rejoin}, return_when=asyncio.FIRST_COMPLETED)
@@ -146,9 +155,7 @@ class WorkerDaemon:
             heartbeat.cancel()
             if self.stop_requested.is_set():
                 break
-            remote, self.remote = self.remote, None
-            assert remote is not None
-            await remote.close()
+            await self._disconnect()
             # A new identity: the coordinator treats it as a newcomer whose state is replaced by the current one,
             # unless no holder survived and this worker's checksums equal the last committed ones.
             rejoins += 1
@@ -181,11 +188,16 @@ class WorkerDaemon:
                 holdings=holdings,
                 last_cycle=last_cycle,
             ),
-            timeout=self.config.discover_timeout_s,
+            timeout=REGISTER_TIMEOUT_S,
         )
         accepted = await watch.guard(register, self._refused)
         log.info("worker %s registered at %s on %s", self.worker_id, address, self.config.device)
         return asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
+
+    async def _disconnect(self) -> None:
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            await remote.close()
 
     async def leave(self, reason: str) -> None:
         """Ask to leave; the coordinator lets the cycle in progress finish, then answers with Shutdown."""
