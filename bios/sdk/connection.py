@@ -75,16 +75,15 @@ class Connection:
         self.rate_limited = 0  # requests resent after a RateLimitError, for load reports
         self.codec = m.make_codec()
         try:
-            welcome = self.run(self._open(api_key, connect_timeout_s), timeout=connect_timeout_s + 5)
+            welcome = self.run(self._open(connect_timeout_s), timeout=connect_timeout_s + 5)
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             raise
-        self.session_id: str = welcome.session_id
         self.cycle_s: float = welcome.cycle_s
 
-    async def _open(self, api_key: str | None, timeout: float) -> m.Welcome:
-        api_key = api_key or None
+    async def _open(self, timeout: float) -> m.Welcome:
+        api_key = self._api_key
         security = None if api_key is None else ApiKey.parse(api_key).client_security()
         self._ctx = zmq.asyncio.Context()
         dealer = Dealer(self._ctx, self.codec, identity=f"client-{uuid.uuid4().hex}".encode(), security=security)
