@@ -12,6 +12,15 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
+from bios.images import VisionConfig
+from bios.model_input import (  # noqa: F401  (re-exported: the public vocabulary)
+    EncodedTextChunk,
+    ImageAssetPointerChunk,
+    ImageChunk,
+    ModelInput,
+    ModelInputChunk,
+)
+
 LossFnType = Literal[
     "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"
 ]
@@ -35,44 +44,6 @@ _KEY_DTYPES: dict[str, TensorDtype] = {
 
 
 # --------------------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class EncodedTextChunk:
-    tokens: list[int]
-    type: Literal["encoded_text"] = "encoded_text"
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass(frozen=True)
-class ModelInput:
-    """A sequence of token chunks; Bios models are text-only, so every chunk is `EncodedTextChunk`."""
-
-    chunks: list[EncodedTextChunk] = field(default_factory=list)
-
-    @classmethod
-    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
-
-    @classmethod
-    def empty(cls) -> ModelInput:
-        return cls(chunks=[])
-
-    def to_ints(self) -> list[int]:
-        return [t for chunk in self.chunks for t in chunk.tokens]
-
-    @property
-    def length(self) -> int:
-        return sum(chunk.length for chunk in self.chunks)
-
-    def append(self, chunk: EncodedTextChunk) -> ModelInput:
-        return ModelInput(chunks=[*self.chunks, chunk])
-
-    def append_int(self, token: int) -> ModelInput:
-        return self.append(EncodedTextChunk(tokens=[int(token)]))
 
 
 class TensorData:
@@ -301,6 +272,7 @@ class SupportedModel:
 @dataclass(frozen=True)
 class GetServerCapabilitiesResponse:
     supported_models: list[SupportedModel]
+    cycle_s: float | None = None  # the coordinator's clock (--cycle-s; 0 = back to back): each step waits for a tick
 
 
 @dataclass(frozen=True)
@@ -356,3 +328,4 @@ class BaseModelInfo:
     num_parameters: int
     eos_token_id: int | None = None
     base_dtype: str | None = None  # as the workers hold the frozen weights, once one has loaded them
+    vision: VisionConfig | None = None  # a vision-language model's image geometry; None: text only

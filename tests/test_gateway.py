@@ -330,6 +330,11 @@ def test_asample_promises_carry_one_sequence_id_per_sample(http):
     assert "topk_sample_logprobs" in _json_error(unsupported, 400)
 
 
+
+def test_capabilities_carry_the_cycle_length(http):
+    """Bios's own field beside the tinker ones: a step waits for the coordinator's next tick."""
+    assert http.get("/get_server_capabilities").json()["cycle_s"] == 0.0
+
 # ------------------------------------------------------------------------------------------ pieces
 
 

@@ -293,7 +293,8 @@ class Coordinator:
 
     def _capabilities(self) -> t.GetServerCapabilitiesResponse:
         names = sorted({name for member in self.membership.alive() for name in member.models})
-        return t.GetServerCapabilitiesResponse([t.SupportedModel(model_name=name) for name in names])
+        return t.GetServerCapabilitiesResponse([t.SupportedModel(model_name=name) for name in names],
+                                               cycle_s=self.config.cycle_s)
 
     async def _push(self, peer: bytes, frames: list[Any]) -> None:
         local = self._local_clients.get(peer)

@@ -310,7 +310,8 @@ def sampler(session: m.SamplingSession) -> dict[str, Any]:
 def capabilities(resp: t.GetServerCapabilitiesResponse) -> dict[str, Any]:
     return {"supported_models": [{"model_name": s.model_name, "max_context_length": s.max_context_length,
                                   "trainable": s.trainable, "sampleable": s.sampleable}
-                                 for s in resp.supported_models]}
+                                 for s in resp.supported_models],
+            "cycle_s": resp.cycle_s}  # Bios's own field: the tinker SDK ignores fields it does not know
 
 
 def checkpoint_path(run_id: str, checkpoint_id: str) -> str:
