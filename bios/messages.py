@@ -261,6 +261,64 @@ class FetchCheckpoint:
 
 
 @dataclass(frozen=True)
+class GetTrainingRunMetrics:
+    """A run's summary and its per-optimizer-step history; `max_points` > 0 thins it evenly (the last kept)."""
+
+    training_run_id: str
+    max_points: int = 0
+
+
+@dataclass(frozen=True)
+class ListRunSummaries:
+    limit: int = 20
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One optimizer step of a run: what its forward_backward and optim_step results reported.
+
+    `loss` is the summed `loss:sum` of the step's forward_backward calls; `tokens` their input tokens and
+    `total_tokens` the run's running total (so a thinned history still gives tokens per second)."""
+
+    step: int
+    cycle_id: int
+    time: float
+    loss: float | None
+    tokens: int
+    total_tokens: int
+    grad_norm: float | None
+    learning_rate: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    training_run_id: str
+    base_model: str
+    owner: str
+    status: str  # creating | ready | lost
+    created: float
+    last_request_time: float
+    steps: int
+    tokens: int
+    last_loss: float | None
+    last_checkpoint: str | None  # the newest checkpoint's bios:// path, of either kind
+
+
+@dataclass(frozen=True)
+class RunSummaries:
+    runs: list[RunSummary]
+    total_count: int
+
+
+@dataclass(frozen=True)
+class TrainingRunMetrics:
+    summary: RunSummary
+    points: list[MetricPoint]
+
+
+@dataclass(frozen=True)
 class Ping:
     """An empty op that travels SDK → coordinator → worker and back: the control-plane round trip."""
 

@@ -122,6 +122,12 @@ class FrontDoor:
             return asyncio.ensure_future(self.status())
         raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
 
+    def read_any_owner(self, body: m.ListRunSummaries | m.GetTrainingRunMetrics | m.ListCheckpoints) -> Any:
+        """A read-only query over every key's runs: the console's admin view."""
+        if not isinstance(body, (m.ListRunSummaries, m.GetTrainingRunMetrics, m.ListCheckpoints)):
+            raise BadRequestError(f"{type(body).__name__} is not a read-only listing", field="kind")
+        return self.queries.answer(None, body)
+
     @staticmethod
     def is_query(body: Any) -> bool:
         return isinstance(body, (*sched.QUERY_TYPES, *READ_QUERIES, m.GetServerCapabilities, m.GetClusterStatus))

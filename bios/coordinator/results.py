@@ -19,6 +19,7 @@ from bios.transport.sockets import next_message_id
 
 from .admission import Refused
 from .disk import is_disk_full
+from .history import RunHistory, StepRecorder
 from .metrics import CoordinatorMetrics
 from .store import Store, StoredRequest
 
@@ -35,6 +36,7 @@ class ResultRouter:
         self.push = push
         self.ledger = ledger
         self.metrics = metrics
+        self.steps = StepRecorder(RunHistory(store.db))
         self.waiters: dict[str, set[bytes]] = {}
 
     def wait(self, request_id: str, peer: bytes) -> None:
@@ -78,6 +80,7 @@ class ResultRouter:
                 raise
             log.error("the outcome of %s is not in the request log (a coordinator restarted before space is freed "
                       "would run it again): %s", request_id, full.message)
+        self.steps.record(request_id, op, result, error, cycle_id)
         self.ledger.release(request_id)
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)

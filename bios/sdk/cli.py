@@ -1,4 +1,4 @@
-"""Commands against a running cluster: `bios status`, `runs list`, `checkpoints list`, `checkpoint export`."""
+"""Commands against a running cluster: `bios status`, `runs list|show`, `checkpoints list`, `checkpoint export`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from bios.cli_support import CommandError
 
 from .address import AddressError, explain_unreachable, normalize_address
+from .run_report import run_summary, runs_table
 from .service import ServiceClient
 
 CONNECT_TIMEOUT_S = 3.0  # with the probe and the process's start, a silent address is reported within 5 s
@@ -25,6 +26,10 @@ def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
     _connection_args(listing)
     listing.add_argument("--limit", type=int, default=50)
     listing.set_defaults(func=run_runs_list)
+    show = runs_commands.add_parser("show", help="a run's summary and a sparkline of its loss")
+    show.add_argument("run_id")
+    _connection_args(show)
+    show.set_defaults(func=run_runs_show)
 
     checkpoints = subparsers.add_parser("checkpoints", help="list checkpoints of a run")
     ckpt_commands = checkpoints.add_subparsers(dest="checkpoints_command", required=True, metavar="COMMAND")
@@ -90,13 +95,15 @@ def run_status(args: argparse.Namespace) -> int:
 
 def run_runs_list(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        page = client.create_rest_client().list_training_runs(limit=args.limit).result()
-    print(f"{'run':<36} {'base model':<36} {'rank':>4}  {'last request':<19}  last checkpoint")
-    for run in page.training_runs:
-        last = run.last_checkpoint.bios_path if run.last_checkpoint else "-"
-        print(f"{run.training_run_id:<36} {run.base_model:<36} {run.lora_rank or '-':>4}  "
-              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.last_request_time))}  {last}")
-    print(f"({len(page.training_runs)} of {page.cursor.total_count})")
+        summaries = client.create_rest_client().list_run_summaries(limit=args.limit).result()
+    print("\n".join(runs_table(summaries)))
+    return 0
+
+
+def run_runs_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        history = client.create_rest_client().get_training_run_metrics(args.run_id).result()
+    print("\n".join(run_summary(history)))
     return 0
 
 

@@ -48,6 +48,23 @@ class RestClient:
     async def get_training_run_async(self, training_run_id: str) -> t.TrainingRun:
         return await self.get_training_run(training_run_id)
 
+    def get_training_run_metrics(self, training_run_id: str, max_points: int = 0
+                                 ) -> APIFuture[m.TrainingRunMetrics]:
+        """The run's summary (status, steps, tokens, last loss, last checkpoint) and one point per optimizer step
+        (loss, tokens, grad norm, learning rate, cycle, time); `max_points` > 0 thins it evenly."""
+        return self._query(m.GetTrainingRunMetrics(training_run_id, max_points))
+
+    async def get_training_run_metrics_async(self, training_run_id: str, max_points: int = 0
+                                             ) -> m.TrainingRunMetrics:
+        return await self.get_training_run_metrics(training_run_id, max_points)
+
+    def list_run_summaries(self, limit: int = 20, offset: int = 0) -> APIFuture[m.RunSummaries]:
+        """Runs of this key, oldest first, each with status, steps, tokens, last loss and last checkpoint."""
+        return self._query(m.ListRunSummaries(limit, offset))
+
+    async def list_run_summaries_async(self, limit: int = 20, offset: int = 0) -> m.RunSummaries:
+        return await self.list_run_summaries(limit, offset)
+
     def list_checkpoints(self, training_run_id: str) -> APIFuture[t.CheckpointsListResponse]:
         return self._query(m.ListCheckpoints(training_run_id))
 
