@@ -304,6 +304,7 @@ class RunSummary:
     tokens: int
     last_loss: float | None
     last_checkpoint: str | None  # the newest checkpoint's bios:// path, of either kind
+    base_dtype: str | None = None  # as the workers hold the base model's frozen weights
 
 
 @dataclass(frozen=True)

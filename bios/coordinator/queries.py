@@ -59,6 +59,7 @@ class Queries:
             steps=last.step if last else 0, tokens=last.total_tokens if last else 0,
             last_loss=last.loss if last else None,
             last_checkpoint=checkpoints[-1].path if checkpoints else None,
+            base_dtype=(run.info or {}).get("base_dtype"),  # type: ignore[arg-type]
         )
 
     def run(self, run_id: str, owner: str | None) -> StoredRun:

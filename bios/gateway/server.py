@@ -38,25 +38,15 @@ from bios.exceptions import (
 )
 
 from . import json_wire, proto
+from .console import Console
 from .futures import PROTOBUF, Promises, Reply, json_reply
+from .http_errors import http_status
+from .openai_api import OpenAICompat
 
 log = logging.getLogger(__name__)
 
 API = "/api/v1"
 OWNER = web.RequestKey("owner", str)  # who a request acts for, from its X-API-Key
-
-# HTTP status per error. A conflict (e.g. a checkpoint name in use) is a 400, not a 409: the Tinker SDK
-# retries 409 for five minutes, and retrying cannot resolve a conflict.
-_STATUS: dict[str, int] = {
-    "BadRequestError": 400,
-    "ConflictError": 400,
-    "RequestFailedError": 400,
-    "AuthenticationError": 401,
-    "NotFoundError": 404,
-    "TimeoutError": 408,
-    "RateLimitError": 429,
-    "APIConnectionError": 503,
-}
 
 
 @dataclass(frozen=True)
@@ -81,7 +71,7 @@ class GatewayConfig:
 def error_response(exc: BiosAPIError) -> web.Response:
     """A JSON error body for every 4xx/5xx (a body-less 400 makes the SDK reconnect and retry)."""
     name = type(exc).__name__
-    status = _STATUS.get(name, 500)
+    status = http_status(exc)
     headers = {}
     if isinstance(exc, RateLimitError):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
@@ -167,6 +157,8 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
         self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
+        self.openai = OpenAICompat(coordinator)  # /v1/...: OpenAI-compatible inference
+        self.console = Console(coordinator)  # / and /console/...: the read-only web console
         self.samplers: dict[str, list[str]] = {}  # session id -> sampling sessions opened through this gateway
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -177,7 +169,7 @@ class Gateway:
     @web.middleware
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if request.path != f"{API}/healthz":
+        if request.path.startswith(f"{API}/") and request.path != f"{API}/healthz":
             request[OWNER] = owner_of(request.headers.get("X-API-Key"), self.coordinator.authenticate)
         return await handler(request)
 
@@ -212,7 +204,7 @@ class Gateway:
             web.get(f"{API}/checkpoints", self.list_user_checkpoints),
             web.post(f"{API}/weights_info", self.weights_info),
         ]
-        app.add_routes(routes)
+        app.add_routes(routes + self.openai.routes() + self.console.routes())
         return app
 
     async def start(self, host: str, port: int) -> str:
