@@ -3,32 +3,25 @@ split over two of them (TP=2), and over four as 2 replicas x 2 shards, with the 
 worker; sampling gives the same tokens; a SIGKILLed shard holder is replaced from a replica of its shard; a
 model that fits nowhere is refused when the run is created.
 
-The model is a random Llama written to a local directory: 12 layers of width 384, so tensor parallelism
-halves most of its activations, with the built-ins' byte-level tokenizer.
+The model is tests/tp_model.py's random Llama, written to a local directory.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
 
 import pytest
-import torch
 from conftest import assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
-from transformers import LlamaConfig, LlamaForCausalLM
+from tp_model import RANK, tp2_only_memory_limit, write_tp_model
 
 import bios
 from bios import types
 from bios.exceptions import BadRequestError
-from bios.models import resolve_model_dir
-from bios.models.cache import save_model_files
-from bios.models.memory_plan import MiB, USABLE_FRACTION, ModelShape, estimate
 
 pytestmark = pytest.mark.e2e
 
-RANK = 8
 SEED = 23
 STEPS = 4
 # Adam moves every weight by ~lr whatever its gradient, so weights whose gradient is at the rounding level of
@@ -38,33 +31,18 @@ BATCH = [text_datum(f"Tensor parallel sentence {i}: heads and columns split over
 PROMPT = types.ModelInput.from_ints(list(b"Tensor parallel"))
 GREEDY = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
 SEEDED = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop=[])
-SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=96)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The test model, written once; its config is all the coordinator reads to plan."""
-    tiny = resolve_model_dir("bios/tiny-llama")
-    config = LlamaConfig(**{**json.loads((tiny / "config.json").read_text()), **SHAPE})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    directory = tmp_path_factory.mktemp("tp-model")
-    save_model_files(model, directory)
-    for name in tiny.iterdir():
-        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
-            shutil.copy(name, directory / name.name)
-    return directory
+    return write_tp_model(tmp_path_factory.mktemp("tp-model"))
 
 
 @pytest.fixture(scope="module")
 def memory_limit(model_dir) -> int:
     """A budget between the TP=2 plan's estimate and the smallest single-worker plan's, so only TP=2 fits."""
-    shape = ModelShape.from_dict(json.loads((model_dir / "config.json").read_text()))
-    options = dict(lora_rank=RANK, batch_tokens=4096, activation_checkpointing=True)
-    one, two = (estimate(shape, tp=tp, **options).total for tp in (1, 2))
-    assert two < one - 100 * MiB, "the test model must shrink clearly under TP=2"
-    return int((one + two) / 2 / USABLE_FRACTION)
+    return tp2_only_memory_limit(model_dir)
 
 
 def _train(tc, steps):

@@ -1,0 +1,42 @@
+"""The model of the tensor-parallel cluster tests and the worker budget that makes only TP=2 fit it.
+
+A random Llama of 12 layers of width 384 (tensor parallelism halves most of its activations) with the
+built-ins' byte-level tokenizer, written to a local directory: config.json is all the coordinator reads to plan.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bios.models import resolve_model_dir
+from bios.models.cache import save_model_files
+from bios.models.memory_plan import MiB, USABLE_FRACTION, ModelShape, estimate
+
+RANK = 8
+SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=96)
+
+
+def write_tp_model(directory: Path) -> Path:
+    tiny = resolve_model_dir("bios/tiny-llama")
+    config = LlamaConfig(**{**json.loads((tiny / "config.json").read_text()), **SHAPE})
+    torch.manual_seed(0)
+    save_model_files(LlamaForCausalLM(config), directory)
+    for name in tiny.iterdir():
+        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
+            shutil.copy(name, directory / name.name)
+    return directory
+
+
+def tp2_only_memory_limit(model_dir: Path) -> int:
+    """A worker budget between the TP=2 plan's estimate and the smallest single-worker plan's (LoRA rank `RANK`)."""
+    shape = ModelShape.from_dict(json.loads((model_dir / "config.json").read_text()))
+    options = dict(lora_rank=RANK, batch_tokens=4096, activation_checkpointing=True)
+    one, two = (estimate(shape, tp=tp, **options).total for tp in (1, 2))
+    assert two < one - 100 * MiB, "the test model must shrink clearly under TP=2"
+    return int((one + two) / 2 / USABLE_FRACTION)
