@@ -115,3 +115,13 @@ def test_a_run_page_charts_one_point_per_step(trained, tmp_path):
     with Image.open(shot) as image:
         colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 20, "the screenshot is blank"
+
+
+def test_openai_routes_take_keys_as_bearer_tokens(trained):
+    url = f"{trained.cluster.http_url}/v1/completions"
+    body = {"model": f"bios://{trained.alice_run}/sampler_weights/console", "prompt": "hi", "max_tokens": 2}
+    missing = httpx.post(url, json=body, timeout=60)
+    assert missing.status_code == 401 and "requires an API key" in missing.json()["error"]["message"]
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {trained.bob}"}, timeout=60).status_code == 404
+    done = httpx.post(url, json=body, headers={"Authorization": f"Bearer {trained.alice}"}, timeout=120)
+    assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -162,6 +162,8 @@ def banner(record: UpRecord, args: argparse.Namespace) -> str:
     ]
     if record.http:
         lines.append(f"  Tinker SDK   {record.http}   tinker.ServiceClient(base_url=...)")
+        lines.append(f"  OpenAI API   {record.http}/v1   openai.OpenAI(base_url=..., api_key=...)")
+        lines.append(f"  console      {record.http}/")
     if record.metrics:
         lines.append(f"  metrics      {record.metrics}")
     lines.append("  API keys     " + (f"required: bios keys create NAME --state-dir {args.state_dir}" if keys else
