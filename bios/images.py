@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from bios.model_input import IMAGE_FORMATS, ImageAssetPointerChunk, ImageChunk
+from bios.model_input import IMAGE_FORMATS, ImageAssetPointerChunk, ImageChunk, ModelInput
 
 # Model types whose image processor and position scheme Bios implements (and tests: qwen2_vl).
 VISION_MODEL_TYPES = ("qwen2_vl",)
@@ -61,18 +61,23 @@ class ImageGrid:
 def read_vision_config(directory: Path) -> VisionConfig | None:
     """The vision config of the model in `directory`; None for a text-only model (no `vision_config`)."""
     config = json.loads((directory / "config.json").read_text())
+    processor_file = directory / "preprocessor_config.json"
+    processor = json.loads(processor_file.read_text()) if processor_file.is_file() else None
+    return vision_config_from(config, processor, str(directory))
+
+
+def vision_config_from(config: dict, processor: dict | None, where: str) -> VisionConfig | None:
+    """From a `config.json` dict and a `preprocessor_config.json` dict (None if absent) of the model at `where`."""
     if "vision_config" not in config:
         return None
     model_type = str(config.get("model_type"))
     if model_type not in VISION_MODEL_TYPES:
         raise NotImplementedError(
-            f"{directory} is a {model_type} vision-language model; Bios runs images on {', '.join(VISION_MODEL_TYPES)} "
+            f"{where} is a {model_type} vision-language model; Bios runs images on {', '.join(VISION_MODEL_TYPES)} "
             "models only")
-    processor_file = directory / "preprocessor_config.json"
-    if not processor_file.is_file():
-        raise ValueError(f"{directory} is a vision-language model but has no preprocessor_config.json (its image "
+    if processor is None:
+        raise ValueError(f"{where} is a vision-language model but has no preprocessor_config.json (its image "
                          "processor config, as the processor's save_pretrained writes it)")
-    processor = json.loads(processor_file.read_text())
     size = processor.get("size") or {}
     return VisionConfig(
         model_type=model_type,
@@ -144,3 +149,19 @@ def read_pointer(chunk: ImageAssetPointerChunk) -> ImageChunk:
     except OSError as exc:
         raise ImageError(f"cannot read image {path}: {exc.strerror}") from None
     return ImageChunk(data=data, format=chunk.format, expected_tokens=chunk.expected_tokens)
+
+
+def read_pointers(model_input: ModelInput, where: str) -> ModelInput:
+    """`model_input` with each image pointer replaced by the image it names (itself if it holds none);
+    ImageError naming the chunk (`where.chunks[i]`) for one that cannot be read."""
+    if not any(isinstance(chunk, ImageAssetPointerChunk) for chunk in model_input.chunks):
+        return model_input
+    chunks = []
+    for i, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, ImageAssetPointerChunk):
+            try:
+                chunk = read_pointer(chunk)
+            except ImageError as exc:
+                raise ImageError(f"{where}.chunks[{i}]: {exc}") from None
+        chunks.append(chunk)
+    return ModelInput(chunks=chunks)

@@ -31,7 +31,7 @@ class ImageChunk:
     """An encoded image; `expected_tokens` is how many positions it takes (required to compute `length`)."""
 
     data: bytes
-    format: ImageFormat
+    format: str  # "png" or "jpeg" (`ImageFormat`); any string travels, so `bios.spec` can name a bad one
     expected_tokens: int | None = None
     type: Literal["image"] = "image"
 
@@ -46,7 +46,7 @@ class ImageChunk:
 class ImageAssetPointerChunk:
     """An image file on the coordinator's host: a local path or a `file://` URL."""
 
-    format: ImageFormat
+    format: str  # "png" or "jpeg", as for ImageChunk
     location: str
     expected_tokens: int | None = None
     type: Literal["image_asset_pointer"] = "image_asset_pointer"

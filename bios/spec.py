@@ -5,8 +5,9 @@ naming the field at the first await and nothing about the run changes. Workers a
 item before batching it with other tenants' items, so an item that slips past admission fails alone. Nothing
 here imports torch: the coordinator must not, and the rules are about values, not tensors.
 
-A rule needs to know three things of a base model (`ModelLimits`): its name, vocabulary and context. Both
-`BaseModelInfo` (what a worker reports) and the coordinator's `ModelShape` (read from `config.json`) have them.
+A rule needs to know four things of a base model (`ModelLimits`): its name, vocabulary, context and image
+geometry (None for a text-only model). Both `BaseModelInfo` (what a worker reports) and the coordinator's
+`Limits` (read from `config.json` and the image processor config) have them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from bios import images
 from bios import types as t
 from bios.exceptions import BadRequestError
 
@@ -32,6 +34,7 @@ class ModelLimits(Protocol):
     name: str
     vocab_size: int
     max_context_length: int
+    vision: images.VisionConfig | None
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Limits:
     name: str
     vocab_size: int
     max_context_length: int
+    vision: images.VisionConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ def check_datum(i: int, datum: t.Datum, loss_fn: str, limits: ModelLimits | None
     """One datum of a batch for `loss_fn`; returns its token count."""
     spec = loss_spec(loss_fn)
     where = f"data[{i}]"
-    n = _check_tokens(datum.model_input.to_ints(), f"{where}.model_input", limits)
+    n = check_model_input(datum.model_input, f"{where}.model_input", limits)
     inputs = datum.loss_fn_inputs
     missing = [key for key in spec.required_inputs if key not in inputs]
     if missing:
@@ -170,9 +174,51 @@ def check_datum(i: int, datum: t.Datum, loss_fn: str, limits: ModelLimits | None
     return n
 
 
-def _check_tokens(tokens: list[int], where: str, limits: ModelLimits | None) -> int:
-    """Token ids of a prompt or input: non-empty, in the vocabulary, within the context."""
-    n = len(tokens)
+def check_model_input(model_input: t.ModelInput, where: str, limits: ModelLimits | None) -> int:
+    """A model input of token and image chunks; returns its length (image chunks count their tokens).
+
+    Every image must decode as its declared format and say how many tokens it becomes (`expected_tokens`),
+    which must be what the model's image processor makes of it; images need a vision-language model.
+    """
+    tokens: list[int] = []
+    n = 0
+    for i, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, t.EncodedTextChunk):
+            tokens.extend(chunk.tokens)
+            n += len(chunk.tokens)
+        else:
+            n += _check_image(chunk, f"{where}.chunks[{i}]", limits)
+    _check_tokens(tokens, where, limits, length=n)
+    return n
+
+
+def _check_image(chunk: object, where: str, limits: ModelLimits | None) -> int:
+    """One image chunk (already read from disk if it was a pointer); returns its token count."""
+    if not isinstance(chunk, t.ImageChunk):
+        raise BadRequestError(f"{where} is a {type(chunk).__name__}; Bios reads image pointers into image chunks "
+                              "when it accepts a request, so only token and image chunks reach this check", field=where)
+    if limits is not None and limits.vision is None:
+        raise BadRequestError(f"{where} is an image, but {limits.name} is a text-only model: send images to a "
+                              "vision-language model", field=where)
+    try:
+        image = images.decode_image(chunk)
+    except images.ImageError as exc:
+        raise BadRequestError(f"{where}: {exc}", field=where) from None
+    count = None if limits is None else images.image_token_count(limits.vision, image.width, image.height)
+    expected = chunk.expected_tokens
+    if not _is_int(expected) or expected < 1:
+        hint = f" (this {image.width}x{image.height} image is {count} tokens for {limits.name})" if count else ""
+        raise BadRequestError(f"{where}.expected_tokens must be set to the image's token count{hint}, got "
+                              f"{expected!r}", field=f"{where}.expected_tokens")
+    if count is not None and count != expected:
+        raise BadRequestError(f"{where}.expected_tokens is {expected}, but {limits.name}'s image processor makes "
+                              f"{count} tokens of this {image.width}x{image.height} image", field=f"{where}.expected_tokens")
+    return expected
+
+
+def _check_tokens(tokens: list[int], where: str, limits: ModelLimits | None, *, length: int | None = None) -> int:
+    """Token ids of a prompt or input: non-empty, in the vocabulary, within the context (`length` with images)."""
+    n = len(tokens) if length is None else length
     if n == 0:
         raise BadRequestError(f"{where} is empty", field=where)
     bad = next((tok for tok in tokens if not _is_int(tok) or tok < 0
@@ -228,9 +274,9 @@ def check_seed(seed: object, field_name: str, what: str) -> None:
 # ------------------------------------------------------------------------------------------ sampling
 
 
-def check_sample(prompt: Sequence[int], num_samples: int, params: t.SamplingParams,
+def check_sample(prompt: t.ModelInput | Sequence[int], num_samples: int, params: t.SamplingParams,
                  limits: ModelLimits | None) -> None:
-    """A sampling request; `limits` (when known) bounds token ids and the context."""
+    """A sampling request; `limits` (when known) bounds token ids and the context and checks images."""
     if not _is_int(num_samples) or not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
         raise BadRequestError(f"num_samples must be an integer between 1 and {MAX_SAMPLES_PER_REQUEST}, got "
                               f"{num_samples!r}", field="num_samples")
@@ -238,7 +284,10 @@ def check_sample(prompt: Sequence[int], num_samples: int, params: t.SamplingPara
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise BadRequestError(f"sampling_params.max_tokens must be an integer >= 1 (or None), got {max_tokens!r}",
                               field="sampling_params.max_tokens")
-    n = _check_tokens(list(prompt), "prompt", limits)
+    if isinstance(prompt, t.ModelInput):
+        n = check_model_input(prompt, "prompt", limits)
+    else:
+        n = _check_tokens(list(prompt), "prompt", limits)
     if limits is not None:
         context = limits.max_context_length
         if n >= context:

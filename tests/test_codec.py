@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from bios import images, model_input
 from bios import messages as m
 from bios import types as t
 from bios.actors.remote import RemoteError
@@ -50,7 +51,8 @@ def _dataclasses_of(module: pytypes.ModuleType) -> list[type]:
     ]
 
 
-WIRE_TYPES: list[type] = [*_dataclasses_of(t), *_dataclasses_of(m), RemoteError, TransportError]
+WIRE_TYPES: list[type] = [*_dataclasses_of(t), *_dataclasses_of(model_input), *_dataclasses_of(images),
+                          *_dataclasses_of(m), RemoteError, TransportError]
 
 
 def _round_trip(body: Any, codec: Codec = CODEC, *, env_id: int = 7, reply_to: int | None = None) -> Envelope:
@@ -132,6 +134,8 @@ def value_of(hint: Any) -> st.SearchStrategy[Any]:
         return _FLOAT
     if hint is str:
         return _TEXT
+    if hint is bytes:
+        return st.binary(max_size=8)
     if hint is t.TensorData:
         return _tensor_data()
     if hint is np.ndarray:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from bios import ids, spec
+from bios import ids, images, spec
 from bios import messages as m
 from bios import types as t
 from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
 from bios.models.memory_plan import model_shape
+from bios.models.registry import model_vision
 from bios.security.limits import QuotaLedger
 
 from .catalog import Catalog
@@ -140,7 +141,8 @@ class Admission:
             raise _no_sampler(op.sampling_session_id)
         self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=True)
         try:
-            spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params,
+            op = dataclasses.replace(op, prompt=_read_images(op.prompt, "prompt"))
+            spec.check_sample(op.prompt, op.num_samples, op.sampling_params,
                               self._limits(sampler.base_model, infos))
             max_tokens = op.sampling_params.max_tokens or 1
             self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
@@ -208,9 +210,11 @@ class Admission:
         if isinstance(op, m.ReleaseSeq):  # the one way to use up a seq_id without running anything
             raise BadRequestError(f"seq_id {op.seq_id} of {run.model_id} was given up: {op.reason}", field="seq_id")
         if isinstance(op, m.ForwardBackward):
-            self.ledger.check_tokens(sum(datum.model_input.length for datum in op.data), "data")
-            spec.check_forward(op.data, op.loss_fn, op.loss_fn_config,
-                               run.info or self._limits(run.base_model, infos))
+            data = [dataclasses.replace(datum, model_input=_read_images(datum.model_input, f"data[{i}].model_input"))
+                    for i, datum in enumerate(op.data)]
+            spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos))
+            self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
+            return dataclasses.replace(op, data=data)
         elif isinstance(op, m.OptimStep):
             spec.check_adam(op.adam_params)
         elif isinstance(op, m.SaveWeights):
@@ -235,6 +239,14 @@ class Admission:
         return infos.get(base_model) or _config_limits(base_model)
 
 
+def _read_images(model_input: t.ModelInput, where: str) -> t.ModelInput:
+    """Image pointers read from this host's disk, so workers receive image bytes only."""
+    try:
+        return images.read_pointers(model_input, where)
+    except images.ImageError as exc:
+        raise BadRequestError(str(exc), field=where) from None
+
+
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
 
@@ -247,7 +259,11 @@ def _config_limits(base_model: str) -> spec.Limits | None:
         return None
     if shape is None or shape.max_context_length is None:
         return None
-    return spec.Limits(base_model, shape.vocab_size, int(shape.max_context_length))
+    try:
+        vision = model_vision(base_model)
+    except (ValueError, NotImplementedError) as exc:
+        raise BadRequestError(f"base model {base_model}: {exc}", field="base_model") from None
+    return spec.Limits(base_model, shape.vocab_size, int(shape.max_context_length), vision)
 
 
 def run_for(runs: Mapping[str, Run], model_id: str, owner: str | None) -> Run:

@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+)
 
 from bios.models.cache import is_model_dir, model_dir_for, save_model_files, staged_model_dir
 from bios.models.catalog import (
@@ -60,40 +66,48 @@ def ensure_builtin(name: str) -> Path:
 
 
 def write_builtin(spec: BuiltinModel, directory: Path) -> None:
-    model = AutoModelForCausalLM.from_config(builtin_config(spec), dtype=torch.float32)
+    vision = spec.processor is not None
+    model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = model_class.from_config(builtin_config(spec), dtype=torch.float32)
     _fill_deterministically(model, spec.seed)
     save_model_files(model, directory)
-    byte_level_tokenizer().save_pretrained(directory)
+    byte_level_tokenizer(spec.extra_tokens).save_pretrained(directory)
+    if vision:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(**spec.processor).save_pretrained(directory)
 
 
 def _fill_deterministically(model: torch.nn.Module, seed: int) -> None:
     """Uniform(-a, a) weights with std INIT_STD, norm weights 1, biases 0, in parameter-name order."""
     bits = np.random.PCG64(seed)
     bound = np.float32(INIT_STD * math.sqrt(3.0))
+    norm_weights = {f"{name}.weight" for name, module in model.named_modules() if "Norm" in type(module).__name__}
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.ndim == 1:
-                param.fill_(1.0 if "norm" in name else 0.0)
+                param.fill_(1.0 if name in norm_weights else 0.0)
                 continue
             top24 = (bits.random_raw(param.numel()) >> np.uint64(40)).astype(np.float32)
             unit = (top24 - np.float32(2**23)) * np.float32(2.0**-23)  # exact: in [-1, 1)
             param.copy_(torch.from_numpy(unit * bound).reshape(param.shape))
 
 
-def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """Token id b < 256 is byte b; the special tokens follow. Any UTF-8 text round-trips."""
+def byte_level_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """Token id b < 256 is byte b; the special tokens, then `extra_tokens`, follow. Any UTF-8 text round-trips."""
     byte_to_char = _gpt2_byte_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(BYTE_VOCAB_SIZE)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in (*SPECIAL_TOKENS, *extra_tokens)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=[*ROLE_TOKENS, *extra_tokens],
         chat_template=CHAT_TEMPLATE,
         model_max_length=BUILTIN_CONTEXT,
     )

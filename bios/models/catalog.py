@@ -12,6 +12,8 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS)
 BUILTIN_VOCAB_SIZE = BYTE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 BUILTIN_CONTEXT = 1024
+# The tiny vision-language model's tokenizer adds Qwen2-VL's vision tokens after the special tokens.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class BuiltinModel:
     model_type: str
     seed: int
     config: dict[str, Any] = field(default_factory=dict)
+    processor: dict[str, Any] | None = None  # a vision-language model's image processor config
+    extra_tokens: tuple[str, ...] = ()  # special tokens after SPECIAL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,28 @@ _TINY_SHAPE: dict[str, Any] = dict(
     pad_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(PAD),
 )
 
+
+def _vision_token(token: str) -> int:
+    return BUILTIN_VOCAB_SIZE + VISION_TOKENS.index(token)
+
+
+# Qwen2-VL with a 2-layer decoder and a 2-block vision tower; 4x4-pixel patches merged 2x2, so a 16x16 image
+# is 4 tokens (images are resized to between 16x16 and 32x32 pixels).
+_TINY_VLM = dict(
+    text_config=dict(
+        _TINY_SHAPE, vocab_size=BUILTIN_VOCAB_SIZE + len(VISION_TOKENS), num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    ),
+    vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=4, mlp_ratio=2, patch_size=4,
+                       spatial_merge_size=2, temporal_patch_size=2),
+    vision_start_token_id=_vision_token("<|vision_start|>"),
+    vision_end_token_id=_vision_token("<|vision_end|>"),
+    image_token_id=_vision_token("<|image_pad|>"),
+    video_token_id=_vision_token("<|video_pad|>"),
+    tie_word_embeddings=False,
+)
+_TINY_VLM_PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=32 * 32)
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     spec.name: spec
     for spec in (
@@ -54,6 +80,9 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("bios/tiny-llama", "llama", seed=0, config=dict(_TINY_SHAPE, tie_word_embeddings=False)),
         # Tied embeddings, like Qwen3 up to 4B and SmolLM2, so fast tests cover the tied case too.
         BuiltinModel("bios/tiny-qwen3", "qwen3", seed=1, config=dict(_TINY_SHAPE, tie_word_embeddings=True)),
+        # A vision-language model (images in, text out) for the image tests.
+        BuiltinModel("bios/tiny-qwen2-vl", "qwen2_vl", seed=2, config=_TINY_VLM, processor=_TINY_VLM_PROCESSOR,
+                     extra_tokens=VISION_TOKENS),
     )
 }
 

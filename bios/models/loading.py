@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bios.models.registry import base_model_info, resolve_model_dir
 from bios.types import BaseModelInfo
@@ -19,6 +19,7 @@ class LoadedModel:
     model: PreTrainedModel  # eval mode, every parameter frozen, on the requested device
     tokenizer: PreTrainedTokenizerBase
     info: BaseModelInfo
+    image_processor: Any = None  # a vision-language model's (`info.vision` is set too); None for text only
 
 
 def load_base_model(
@@ -26,10 +27,9 @@ def load_base_model(
 ) -> LoadedModel:
     """Resolve `name` (writing or pulling it on first use) and load it; `dtype` defaults to float32."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     directory = resolve_model_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = model_class(directory).from_pretrained(
         directory, dtype=torch.float32 if dtype is None else dtype, local_files_only=True
     )
     model.to(torch.device(device))
@@ -40,7 +40,27 @@ def load_base_model(
         model=model,
         tokenizer=_tokenizer_from(directory),
         info=base_model_info(name, directory, model.config, num_parameters),
+        image_processor=_image_processor_from(directory),
     )
+
+
+def model_class(directory: Path) -> Any:
+    """The Transformers auto class of the model in `directory`: image-text-to-text for a vision-language model
+    (its config has a `vision_config`), else causal LM."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = json.loads((directory / "config.json").read_text())
+    return AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+
+
+def _image_processor_from(directory: Path) -> Any:
+    if not (directory / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(directory, local_files_only=True)
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:

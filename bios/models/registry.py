@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
+from bios.images import VisionConfig, read_vision_config, vision_config_from
 from bios.models.cache import dir_size, is_model_dir, model_dir_for, models_dir
 from bios.models.catalog import ALIASES, BUILTIN_MODELS, PULLABLE_MODELS
 from bios.models.param_count import count_parameters as count_config_parameters
@@ -167,6 +168,20 @@ def pull(name: str, *, progress: bool = True) -> Path:
     )
 
 
+def model_vision(name: str) -> VisionConfig | None:
+    """The image geometry of base model `name` (None: text only, or not on this host), with no torch and
+    nothing written: built-ins from their catalog entry, others from their directory's config files."""
+    name = canonical_name(name)
+    if name in BUILTIN_MODELS:
+        spec = BUILTIN_MODELS[name]
+        return vision_config_from({"model_type": spec.model_type, **spec.config}, spec.processor, name)
+    try:
+        directory = _resolve(name, create=False)
+    except UnknownModelError:
+        return None
+    return read_vision_config(directory) if is_model_dir(directory) else None
+
+
 def model_info(name: str) -> BaseModelInfo:
     """What a worker needs to know about `name`, read from its config.json without loading weights."""
     from transformers import AutoConfig
@@ -192,16 +207,18 @@ def base_model_info(name: str, directory: Path, config: PreTrainedConfig, num_pa
         num_layers=text.num_hidden_layers,
         num_parameters=num_parameters,
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        vision=read_vision_config(directory),
     )
 
 
 def count_parameters(config: PreTrainedConfig) -> int:
     """Parameters of the model `config` describes, tied ones counted once; built on the meta device (no memory)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    model_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -21,6 +21,10 @@ from bios.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepRespon
 from bios.worker.adapter import AdapterState
 from bios.worker.losses import compute_loss, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
+from bios.worker.vision import ImageReader, RowImages
+
+# Per-token inputs that say how much a position counts; image positions count for nothing.
+_POSITION_WEIGHTS = ("weights", "advantages", "sequence_ratio_mask")
 
 
 @dataclass
@@ -44,6 +48,8 @@ class _Row:
     tokens: Tensor
     targets: Tensor
     inputs: dict[str, Tensor]
+    images: RowImages | None = None
+    text_mask: Tensor | None = None  # [T] bool, False at image positions (None: all text)
 
 
 def target_logprobs(hidden: Tensor, lm_head: LoraLinear, targets: Tensor) -> Tensor:
@@ -56,8 +62,9 @@ def target_logprobs(hidden: Tensor, lm_head: LoraLinear, targets: Tensor) -> Ten
     return lm_head(hidden, target_ids=targets)
 
 
-def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
-    """Check and convert every datum before any compute, so a bad one fails the call with nothing changed."""
+def _prepare_rows(model: nn.Module, items: list[ForwardItem], reader: ImageReader | None) -> list[_Row]:
+    """Check and convert every datum before any compute, so a bad one fails the call with nothing changed.
+    Image positions get weight 0 (`_POSITION_WEIGHTS`)."""
     vocab_in = model.get_input_embeddings().num_embeddings
     vocab_out = model.get_output_embeddings().out_features
     rows = []
@@ -68,7 +75,12 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
             raise ValueError(f"item {item_index} ({item.adapter.model_id}): {error.message}") from None
         for datum_index, datum in enumerate(item.data):
             where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}"
-            tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
+            expanded = None
+            if reader is not None and datum.model_input.has_images:
+                expanded = reader.expand(datum.model_input, f"{where}: model_input")
+                tokens = expanded.tokens
+            else:
+                tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
             if tokens.numel() == 0:
                 raise ValueError(f"{where}: model_input has no tokens")
             inputs = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
@@ -85,7 +97,12 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem]) -> list[_Row]:
                     raise ValueError(
                         f"{where}: {name} holds token id {int(outside[0])}, outside this model's vocabulary [0, {limit})"
                     )
-            rows.append(_Row(item_index, datum_index, item.adapter, tokens, targets.to(torch.int64), inputs))
+            text_mask = None
+            if expanded is not None:
+                text_mask = ~expanded.image_mask
+                inputs.update({key: inputs[key] * text_mask for key in _POSITION_WEIGHTS if key in inputs})
+            rows.append(_Row(item_index, datum_index, item.adapter, tokens, targets.to(torch.int64), inputs,
+                             None if expanded is None else expanded.images, text_mask))
     return rows
 
 
@@ -128,7 +145,7 @@ def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int,
 
 
 def _run_pass(
-    model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool
+    model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None
 ) -> tuple[list[Tensor], list[float]]:
     """One padded forward pass over `rows` (and one backward of their summed loss if `backward`).
 
@@ -145,10 +162,12 @@ def _run_pass(
         attention_mask[i, : lengths[i]] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     targets = torch.cat([row.targets for row in rows]).to(device)
+    extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
+                                                          [row.images for row in rows])[0]
     with torch.set_grad_enabled(backward):
         with active_adapters(model, _segments([1] * len(rows), adapters)):
             hidden = model.base_model(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
             ).last_hidden_state
         with active_adapters(model, _segments(lengths, adapters)):
             logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
@@ -160,20 +179,26 @@ def _run_pass(
         stacked = torch.stack(losses)
         if backward:
             stacked.sum().backward()
-    return [lp.detach() for lp in per_row], stacked.detach().tolist()
+    outputs = [lp.detach() if row.text_mask is None else lp.detach().masked_fill(~row.text_mask.to(lp.device), 0.0)
+               for row, lp in zip(rows, per_row)]
+    return outputs, stacked.detach().tolist()
 
 
 def forward_backward(
-    model: nn.Module, items: list[ForwardItem], *, max_tokens_per_pass: int = 16384
+    model: nn.Module, items: list[ForwardItem], *, max_tokens_per_pass: int = 16384,
+    images: ImageReader | None = None,
 ) -> list[ForwardBackwardOutput]:
     """Log-probs and summed loss of every datum of every item; gradients into `pending_grad` unless forward_only.
+
+    A vision-language model takes image chunks through `images`; the log-prob reported at an image position
+    is 0 and such positions count for nothing in any loss.
 
     Rows needing gradients and forward-only rows run in separate passes, so forward-only items build no graph.
     Raises ValueError (before computing anything) on an unknown loss or config key, a missing input, a length
     mismatch or a token id outside the vocabulary.
     """
     attach_lora(model)
-    rows = _prepare_rows(model, items)
+    rows = _prepare_rows(model, items, images)
     for item in items:
         if not item.forward_only and not item.adapter.grad_views_intact():
             raise RuntimeError(
@@ -184,7 +209,7 @@ def forward_backward(
     for backward in (True, False):
         selected = [row for row in rows if items[row.item].forward_only != backward]
         for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass):
-            batch_logprobs, batch_losses = _run_pass(model, batch, items, backward=backward)
+            batch_logprobs, batch_losses = _run_pass(model, batch, items, backward=backward, reader=images)
             for row, row_logprobs, loss in zip(batch, batch_logprobs, batch_losses):
                 logprobs[row.item][row.index] = row_logprobs
                 loss_sums[row.item] += loss

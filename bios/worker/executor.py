@@ -36,6 +36,7 @@ from .checkpoint import export_state, load_into
 from .collectives import CollectiveError, CollectiveGroup
 from .pool import Adapter, ModelPool
 from .sampling import SampleItem, generate
+from .vision import image_reader
 from .tensor_parallel import (
     TensorParallelError,
     copy_full_into_shard,
@@ -173,7 +174,8 @@ class CycleExecutor:
         base = group[0][1]
         try:
             outputs = iter(engine.forward_backward(base.base.model, batch,
-                                                   max_tokens_per_pass=self.pool.tokens_per_pass(base.base_model))
+                                                   max_tokens_per_pass=self.pool.tokens_per_pass(base.base_model),
+                                                   images=image_reader(base.base.info, base.base.image_processor))
                            if batch else ())
         except TensorParallelError:
             for _, adapter in group:
@@ -318,18 +320,22 @@ class CycleExecutor:
                     self.pool.add_sampler(op.adapter_path, op.base_model, op.adapter_state)
                 adapter = self.pool.sampler(op.adapter_path).state if op.adapter_path is not None else None
                 base = self.pool.base(op.base_model)
-                spec.check_sample(op.prompt.to_ints(), op.num_samples, op.sampling_params, base.info)
+                spec.check_sample(op.prompt, op.num_samples, op.sampling_params, base.info)
+                reader = image_reader(base.info, base.image_processor)
+                expanded = reader.expand(op.prompt, "prompt") if reader is not None else None
             except Exception as exc:
                 report(_failed(cycle_id, item, exc))
                 continue
-            sample_item = SampleItem(adapter, op.prompt.to_ints(), op.num_samples, op.sampling_params,
-                                     op.prompt_logprobs)
+            prompt = op.prompt.to_ints() if expanded is None else expanded.tokens.tolist()
+            sample_item = SampleItem(adapter, prompt, op.num_samples, op.sampling_params, op.prompt_logprobs,
+                                     None if expanded is None else expanded.images)
             by_base.setdefault(op.base_model, []).append((item, sample_item))
         for base_model, group in by_base.items():
             base = self.pool.base(base_model)
             try:
                 responses = generate(base.model, base.tokenizer, [s for _, s in group],
-                                     eos_token_id=base.info.eos_token_id)
+                                     eos_token_id=base.info.eos_token_id,
+                                     images=image_reader(base.info, base.image_processor))
             except TensorParallelError:
                 raise
             except Exception as exc:

@@ -36,6 +36,7 @@ from bios.exceptions import BadRequestError
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
 from bios.worker.lora import active_adapters, attach_lora
+from bios.worker.vision import ImageReader, RowImages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,10 +56,11 @@ class SampleItem:
     """One sample request: `num_samples` continuations of `prompt` from the base model plus `adapter`."""
 
     adapter: AdapterState | None  # None: the base model alone
-    prompt: list[int]
+    prompt: list[int]  # with a vision-language model's image tokens in place of its images
     num_samples: int
     params: SamplingParams
     prompt_logprobs: bool = False
+    images: RowImages | None = None  # the prompt's images, in order
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -211,8 +213,10 @@ def generate(
     items: list[SampleItem],
     *,
     eos_token_id: int | None,
+    images: ImageReader | None = None,
 ) -> list[SampleResponse]:
-    """Sample every item (all rows in one batch); one `SampleResponse` per item, in order.
+    """Sample every item (all rows in one batch); one `SampleResponse` per item, in order. A vision-language
+    model's prompts with images need its `images` reader.
 
     Raises `BadRequestError` (before any compute) if an item cannot run on this model. `tokenizer` is only
     used to decode text for stop strings.
@@ -234,7 +238,7 @@ def generate(
             raise BadRequestError(f"sample request {index}: {error.message}", field=error.field) from None
     attach_lora(model)
     with torch.inference_mode():
-        return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context)
+        return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images)
 
 
 def _grouped_order(items: list[SampleItem]) -> list[int]:
@@ -252,16 +256,19 @@ def _generate(
     *,
     eos_token_id: int | None,
     context: int,
+    reader: ImageReader | None,
 ) -> list[SampleResponse]:
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
-    cache, logits, prompt_mask, prompt_logprobs = _prefill(model, ordered)
+    cache, logits, prompt_mask, prompt_logprobs, rope_deltas = _prefill(model, ordered, reader)
     # One row per sample; a request's samples share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
     expand = torch.repeat_interleave(torch.arange(len(ordered), device=logits.device), counts)
     cache.reorder_cache(expand)
     lengths = [len(item.prompt) for item in ordered]
     rows, string_stops = _build_rows(ordered, prompt_mask[expand], lengths, eos_token_id, context, logits.device)
+    if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
+        rows.position += rope_deltas.to(rows.position.device)[expand]
     tokens, logprobs, finished_at, stopped = _decode(
         model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
     )
@@ -271,12 +278,13 @@ def _generate(
 
 
 def _prefill(
-    model: nn.Module, ordered: list[SampleItem]
-) -> tuple[DynamicCache, Tensor, Tensor, dict[int, list[float | None]]]:
+    model: nn.Module, ordered: list[SampleItem], reader: ImageReader | None
+) -> tuple[DynamicCache, Tensor, Tensor, dict[int, list[float | None]], Tensor | None]:
     """Run each request's prompt once, left padded so every row's last position is real.
 
-    Returns the cache, the next-token logits [requests, V], the prompt attention mask and the prompt
-    logprobs of the requests that asked for them (by position in `ordered`).
+    Returns the cache, the next-token logits [requests, V], the prompt attention mask, the prompt
+    logprobs of the requests that asked for them (by position in `ordered`) and, for a vision-language
+    model, each request's rope delta (its next position minus its prompt length).
     """
     device = model.get_input_embeddings().weight.device
     lengths = [len(item.prompt) for item in ordered]
@@ -287,15 +295,18 @@ def _prefill(
         input_ids[i, padded - lengths[i] :] = torch.tensor(item.prompt, dtype=torch.int64)
         prompt_mask[i, padded - lengths[i] :] = 1
     input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
-    positions = (prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)
+    extra: dict[str, Tensor] = {"position_ids": (prompt_mask.cumsum(dim=-1) - 1).clamp_(min=0)}
+    rope_deltas = None
+    if reader is not None:
+        extra, rope_deltas = reader.model_kwargs(model, input_ids, prompt_mask, [item.images for item in ordered])
     cache = DynamicCache(config=model.config)
     with active_adapters(model, _adapter_segments([item.adapter for item in ordered])):
         hidden = model.base_model(
             input_ids=input_ids,
             attention_mask=prompt_mask,
-            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
+            **extra,
         ).last_hidden_state
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
     prompt_logprobs = {
@@ -303,7 +314,7 @@ def _prefill(
         for i, item in enumerate(ordered)
         if item.prompt_logprobs
     }
-    return cache, logits, prompt_mask, prompt_logprobs
+    return cache, logits, prompt_mask, prompt_logprobs, rope_deltas
 
 
 def _decode(
