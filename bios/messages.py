@@ -320,6 +320,31 @@ class TrainingRunMetrics:
 
 
 @dataclass(frozen=True)
+class GetRunTrace:
+    training_run_id: str
+
+
+@dataclass(frozen=True)
+class TracedRequest:
+    """One request's timeline (epoch seconds): accepted, taken into cycle `cycle_id`, finished."""
+
+    request_id: str
+    seq_id: int
+    op: str
+    status: str  # accepted | done | failed | rejected
+    accepted: float
+    started: float | None
+    finished: float | None
+    cycle_id: int | None
+
+
+@dataclass(frozen=True)
+class RunTrace:
+    training_run_id: str
+    requests: list[TracedRequest]
+
+
+@dataclass(frozen=True)
 class Ping:
     """An empty op that travels SDK → coordinator → worker and back: the control-plane round trip."""
 

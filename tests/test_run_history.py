@@ -4,6 +4,7 @@ a coordinator restart, read by `RestClient.get_training_run_metrics` and printed
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -112,6 +113,13 @@ def test_history_is_recorded_survives_a_restart_and_is_printed(tmp_path):
         shown = _cli("runs", "show", tc.model_id, "--address", cluster.address)
         assert "steps       4" in shown and path in shown
         assert sparkline(losses) in shown
+        trace = json.loads(_cli("runs", "trace", tc.model_id, "--address", cluster.address))
+        spans = {(e["cat"], e["name"]): e for e in trace["traceEvents"] if e["ph"] == "X"}
+        for seq in range(1, 9):  # forward_backward, optim_step, ... as sent
+            name = f"{'ForwardBackward' if seq % 2 else 'OptimStep'} #{seq}"
+            waiting, running = spans[("waiting", name)], spans[("running", name)]
+            assert running["args"]["cycle_id"] > 0 and running["args"]["status"] == "done"
+            assert waiting["ts"] + waiting["dur"] == pytest.approx(running["ts"], abs=1.0)
         listing = _cli("runs", "list", "--address", cluster.address)
         row = next(line for line in listing.splitlines() if line.startswith(tc.model_id))
         assert row.split()[1:4] == ["ready", "4", f"{losses[-1]:.4g}"] and row.split()[4] == str(4 * tokens)

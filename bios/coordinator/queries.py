@@ -15,9 +15,10 @@ from bios.exceptions import BadRequestError, NotFoundError
 from .catalog import Catalog
 from .history import RunHistory
 from .store import Store, StoredRun
+from .trace import RequestTimeline
 
 QUERY_TYPES = (m.ListTrainingRuns, m.GetTrainingRun, m.ListCheckpoints, m.DeleteCheckpoint, m.FetchCheckpoint,
-               m.GetTrainingRunMetrics, m.ListRunSummaries)
+               m.GetTrainingRunMetrics, m.ListRunSummaries, m.GetRunTrace)
 
 
 class Queries:
@@ -25,6 +26,7 @@ class Queries:
         self.store = store
         self.catalog = catalog
         self.history = RunHistory(store.db)
+        self.timeline = RequestTimeline(store.db)
 
     def answer(self, owner: str | None, body: Any) -> Any:
         if isinstance(body, m.ListTrainingRuns):
@@ -45,6 +47,9 @@ class Queries:
         if isinstance(body, m.GetTrainingRunMetrics):
             run = self.run(body.training_run_id, owner)
             return m.TrainingRunMetrics(self.summary(run), self.history.points(run.model_id, body.max_points))
+        if isinstance(body, m.GetRunTrace):
+            run = self.run(body.training_run_id, owner)
+            return m.RunTrace(run.model_id, self.timeline.of_run(run.model_id))
         if isinstance(body, m.ListRunSummaries):
             runs = self.store.list_runs(owner)
             return m.RunSummaries([self.summary(r) for r in runs[body.offset: body.offset + body.limit]], len(runs))

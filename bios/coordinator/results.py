@@ -22,6 +22,7 @@ from .disk import is_disk_full
 from .history import RunHistory, StepRecorder
 from .metrics import CoordinatorMetrics
 from .store import Store, StoredRequest
+from .trace import RequestTimeline
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ResultRouter:
         self.ledger = ledger
         self.metrics = metrics
         self.steps = StepRecorder(RunHistory(store.db))
+        self.timeline = RequestTimeline(store.db)
         self.waiters: dict[str, set[bytes]] = {}
 
     def wait(self, request_id: str, peer: bytes) -> None:
@@ -81,6 +83,7 @@ class ResultRouter:
             log.error("the outcome of %s is not in the request log (a coordinator restarted before space is freed "
                       "would run it again): %s", request_id, full.message)
         self.steps.record(request_id, op, result, error, cycle_id)
+        self.timeline.finished(request_id, cycle_id)
         self.ledger.release(request_id)
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
@@ -89,6 +92,7 @@ class ResultRouter:
         """Take back an accepted request that never ran: its waiters get `error`, the log forgets it (a resend
         runs it afresh)."""
         self.metrics.request_rejected(request_id, op, error.message)
+        self.timeline.forget(request_id)
         self.store.forget_request(request_id)
         self.ledger.release(request_id)
         frames = self.encode(m.RequestDone(request_id, error=error))

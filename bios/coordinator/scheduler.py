@@ -243,6 +243,7 @@ class Scheduler(Actor):
         items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
         self.samples = []
         self.running = {item.request_id: item.op for item in items}
+        self.results.timeline.taken(self.running)
         if any(run.runnable() for run in self.runs.values()):
             self.on_work()
         return items

@@ -1,8 +1,10 @@
-"""Commands against a running cluster: `bios status`, `runs list|show`, `checkpoints list`, `checkpoint export`."""
+"""Commands against a running cluster: `bios status`, `runs list|show|trace`, `checkpoints list`,
+`checkpoint export`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -10,6 +12,7 @@ from bios.cli_support import CommandError
 
 from .address import AddressError, explain_unreachable, normalize_address
 from .run_report import run_summary, runs_table
+from .run_trace import chrome_trace
 from .service import ServiceClient
 
 CONNECT_TIMEOUT_S = 3.0  # with the probe and the process's start, a silent address is reported within 5 s
@@ -30,6 +33,10 @@ def add_cluster_parsers(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("run_id")
     _connection_args(show)
     show.set_defaults(func=run_runs_show)
+    trace = runs_commands.add_parser("trace", help="the run's requests as Chrome trace / Perfetto JSON, on stdout")
+    trace.add_argument("run_id")
+    _connection_args(trace)
+    trace.set_defaults(func=run_runs_trace)
 
     checkpoints = subparsers.add_parser("checkpoints", help="list checkpoints of a run")
     ckpt_commands = checkpoints.add_subparsers(dest="checkpoints_command", required=True, metavar="COMMAND")
@@ -104,6 +111,13 @@ def run_runs_show(args: argparse.Namespace) -> int:
     with _client(args) as client:
         history = client.create_rest_client().get_training_run_metrics(args.run_id).result()
     print("\n".join(run_summary(history)))
+    return 0
+
+
+def run_runs_trace(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        trace = client.create_rest_client().get_run_trace(args.run_id).result()
+    print(json.dumps(chrome_trace(trace)))
     return 0
 
 

@@ -65,6 +65,13 @@ class RestClient:
     async def list_run_summaries_async(self, limit: int = 20, offset: int = 0) -> m.RunSummaries:
         return await self.list_run_summaries(limit, offset)
 
+    def get_run_trace(self, training_run_id: str) -> APIFuture[m.RunTrace]:
+        """Each request of the run: when it was accepted, taken into its cycle, and finished."""
+        return self._query(m.GetRunTrace(training_run_id))
+
+    async def get_run_trace_async(self, training_run_id: str) -> m.RunTrace:
+        return await self.get_run_trace(training_run_id)
+
     def list_checkpoints(self, training_run_id: str) -> APIFuture[t.CheckpointsListResponse]:
         return self._query(m.ListCheckpoints(training_run_id))
 
