@@ -8,10 +8,13 @@ import io
 import numpy as np
 import peft
 import pytest
+import tinker
+from tinker import types as tt
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+import bios
 from bios import spec
 from bios import types as t
 from bios.exceptions import BadRequestError
@@ -191,3 +194,53 @@ def _sized_png(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (5, 5, 5)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# ------------------------------------------------------------------------------------------ the tinker SDK
+
+
+@pytest.fixture(scope="module")
+def gateway_cluster():
+    with bios.LocalCluster(http="127.0.0.1:0", cycle_s=0.0, worker_threads=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def tinker_service(gateway_cluster):
+    with tinker.ServiceClient(base_url=gateway_cluster.http_url, api_key="tml-test") as client:
+        yield client
+
+
+def tinker_prompt(vision_tokens, rgb, text: bytes = b"", expected_tokens: int = IMAGE_TOKENS) -> tt.ModelInput:
+    start, end = vision_tokens
+    return tt.ModelInput(chunks=[
+        tt.EncodedTextChunk(tokens=[start]),
+        tt.ImageChunk(data=png(rgb), format="png", expected_tokens=expected_tokens),
+        tt.EncodedTextChunk(tokens=[end, *text]),
+    ])
+
+
+def test_captions_through_the_tinker_sdk(tinker_service, vlm, vision_tokens):
+    """The same lesson with the official SDK over the gateway: ImageChunk in protobuf (training) and JSON
+    (sampling); a wrong expected_tokens is a 400 naming both counts."""
+    eos = vlm.info.eos_token_id
+    tc = tinker_service.create_lora_training_client(base_model=VLM, rank=8, seed=0).result()
+    batch = []
+    for rgb, caption in CAPTIONS.items():
+        native = caption_datum(vision_tokens, rgb, caption, eos)
+        batch.append(tt.Datum(
+            model_input=tinker_prompt(vision_tokens, rgb, caption.encode()),
+            loss_fn_inputs={key: tt.TensorData.from_numpy(value.to_numpy())
+                            for key, value in native.loss_fn_inputs.items()}))
+    for _ in range(60):
+        tc.forward_backward(batch, "cross_entropy")
+        tc.optim_step(tt.AdamParams(learning_rate=3e-3))
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for rgb, caption in CAPTIONS.items():
+        out = sampler.sample(tinker_prompt(vision_tokens, rgb), 1,
+                             tt.SamplingParams(max_tokens=len(caption) + 1, temperature=0)).result()
+        assert bytes(tok for tok in out.sequences[0].tokens if tok != eos) == caption.encode()
+    wrong = tt.Datum(model_input=tinker_prompt(vision_tokens, (0, 0, 0), b"x", expected_tokens=9),
+                         loss_fn_inputs=batch[0].loss_fn_inputs)
+    with pytest.raises(tinker.BadRequestError, match="expected_tokens is 9, but .* makes 4 tokens"):
+        tc.forward_backward([wrong], "cross_entropy").result()

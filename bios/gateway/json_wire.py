@@ -8,6 +8,9 @@ missing or mistyped field is a BadRequestError naming it.
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from datetime import datetime, timezone
 from typing import Any
 
@@ -191,18 +194,29 @@ def sample(body: Body) -> tuple[m.Sample, int | None]:
 
 
 def model_input(body: Body) -> t.ModelInput:
-    tokens: list[int] = []
+    """Token, image (base64 `data`) and image-pointer chunks, as the tinker SDK's `ModelInput` writes them."""
+    chunks: list[t.ModelInputChunk] = []
     for i, chunk in enumerate(body.array("chunks")):
         part = Body(chunk, f"{body.where}.chunks[{i}]")
         kind = part.text("type", "encoded_text")
-        if kind != "encoded_text":
-            raise BadRequestError(f"{part.where} is a {kind} chunk; Bios models take text tokens only",
-                                  field=part.where)
-        ids = part.array("tokens")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-            raise BadRequestError(f"{part.where}.tokens must be integers", field=f"{part.where}.tokens")
-        tokens.extend(ids)
-    return t.ModelInput.from_ints(tokens)
+        if kind == "encoded_text":
+            ids = part.array("tokens")
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise BadRequestError(f"{part.where}.tokens must be integers", field=f"{part.where}.tokens")
+            chunks.append(t.EncodedTextChunk(ids))
+        elif kind == "image":
+            try:
+                data = base64.b64decode(part.text("data"), validate=True)
+            except binascii.Error:
+                raise BadRequestError(f"{part.where}.data is not base64", field=f"{part.where}.data") from None
+            chunks.append(t.ImageChunk(data, part.text("format"), part.integer("expected_tokens", None)))
+        elif kind == "image_asset_pointer":
+            chunks.append(t.ImageAssetPointerChunk(part.text("format"), part.text("location"),
+                                                   part.integer("expected_tokens", None)))
+        else:
+            raise BadRequestError(f"{part.where} is a {kind} chunk; Bios takes encoded_text, image and "
+                                  "image_asset_pointer chunks", field=part.where)
+    return t.ModelInput(chunks)
 
 
 def sampling_params(body: Body) -> t.SamplingParams:

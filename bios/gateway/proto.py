@@ -46,7 +46,7 @@ def decode_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
 
 def forward_backward_op(msg: pb.ForwardBackwardRequest) -> m.ForwardBackward:
     """The request as a Bios op. BadRequestError naming the field for a missing loss, a config text value (no
-    Bios loss takes one), a non-text chunk, or a tensor whose bytes do not match its dtype and shape.
+    Bios loss takes one), an audio chunk, or a tensor whose bytes do not match its dtype and shape.
     """
     if not msg.loss_fn:
         raise BadRequestError("loss_fn is missing", field="loss_fn")
@@ -71,25 +71,32 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:
 
 
 def _datum(msg: pb.Datum, where: str) -> t.Datum:
-    tokens: list[np.ndarray] = []
+    chunks: list[t.ModelInputChunk] = []
     for i, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
+        if kind == "image":
+            image = chunk.image
+            if image.HasField("override_dimensions"):
+                raise BadRequestError(f"{where}.model_input[{i}] sets override_dimensions, which Bios does not "
+                                      "support: resize the image before sending it", field=f"{where}.model_input")
+            expected = image.expected_tokens if image.HasField("expected_tokens") else None
+            chunks.append(t.ImageChunk(image.data, image.format, expected))
+            continue
         if kind != "encoded_text":
             raise BadRequestError(
-                f"{where}.model_input[{i}] is a {kind or 'empty'} chunk; Bios models take text tokens only",
+                f"{where}.model_input[{i}] is a {kind or 'empty'} chunk; Bios takes text tokens and images",
                 field=f"{where}.model_input",
             )
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
             raise BadRequestError(f"{where}.model_input[{i}] tokens are {len(raw)} bytes, not int32s",
                                   field=f"{where}.model_input")
-        tokens.append(np.frombuffer(raw, dtype="<i4"))
-    ids = np.concatenate(tokens).tolist() if tokens else []
+        chunks.append(t.EncodedTextChunk(np.frombuffer(raw, dtype="<i4").tolist()))
     inputs = {}
     for key, value in msg.loss_fn_inputs.items():
         array = _tensor(value, f"{where}.loss_fn_inputs.{key}")
         inputs[key] = t.TensorData(array, "int64" if array.dtype == np.int64 else "float32")
-    return t.Datum(t.ModelInput.from_ints(ids), inputs)
+    return t.Datum(t.ModelInput(chunks), inputs)
 
 
 def _tensor(msg: pb.Tensor, field: str) -> np.ndarray:
