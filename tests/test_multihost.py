@@ -101,11 +101,13 @@ class Cluster:
         self.address = json.loads(ready.read_text())["clients"]
         return self
 
-    def add_worker(self, host: str, memory_limit: int | None = None) -> subprocess.Popen[Any]:
+    def add_worker(self, host: str, memory_limit: int | None = None,
+                   env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
         args = ["-m", "bios.worker.main", "--coordinator", self.address, "--threads", "1"]
         if memory_limit is not None:
             args += ["--memory-limit", str(memory_limit)]
-        worker = self._spawn(host, f"worker-{len(self.workers)}", args, {**self.env, "BIOS_WORKER_TOKEN": self.token})
+        worker = self._spawn(host, f"worker-{len(self.workers)}", args,
+                             {**self.env, "BIOS_WORKER_TOKEN": self.token, **(env or {})})
         self.workers.append(worker)
         return worker
 
@@ -163,23 +165,29 @@ def cluster(hosts, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(hosts, tp_model, tmp_path_factory):
-    """One worker on one host: the tiny model's losses and weights after STEPS steps, the TP model's after
-    TP_STEPS, and the TP model's greedy samples."""
-    one = Cluster(hosts, tmp_path_factory.mktemp("one") / "state").start()
+def first(hosts, tp_model, tmp_path_factory):
+    """A cluster whose one worker, on host a, trains the references before the data-parallel test adds more: the
+    tiny model's losses and weights after STEPS steps, the TP model's after TP_STEPS and its greedy samples."""
+    cluster = Cluster(hosts, tmp_path_factory.mktemp("first") / "state").start()
     try:
-        one.add_worker("a")
-        client = one.client()
+        cluster.add_worker("a")
+        client = cluster.client()
         client.wait_active(1)
         path = tmp_path_factory.mktemp("weights")
         tiny, big = (client("create", base_model=model, seed=SEED)["run"] for model in (BASE, str(tp_model)))
-        tiny_losses = client("results", ticket=client("submit", run=tiny, steps=STEPS)["ticket"])["losses"]
-        big_losses = client("results", ticket=client("submit", run=big, steps=TP_STEPS)["ticket"])["losses"]
-        return {"losses": tiny_losses, "weights": _weights(client, tiny, path / "tiny.npz"),
-                "tp_losses": big_losses, "tp_weights": _weights(client, big, path / "big.npz"),
-                "tp_samples": client("sample", run=big)}
+        tiny_losses, big_losses = (_train(client, run, steps)["losses"] for run, steps in ((tiny, STEPS),
+                                                                                          (big, TP_STEPS)))
+        reference = {"losses": tiny_losses, "weights": _weights(client, tiny, path / "tiny.npz"),
+                     "tp_losses": big_losses, "tp_weights": _weights(client, big, path / "big.npz"),
+                     "tp_samples": client("sample", run=big)}
+        yield cluster, client, reference
     finally:
-        one.close()
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference(first) -> dict[str, Any]:
+    return first[2]
 
 
 def _weights(client: Client, run: int, path: Path) -> dict[str, np.ndarray]:
@@ -191,10 +199,9 @@ def _train(client: Client, run: int, steps: int) -> dict[str, Any]:
     return client("results", ticket=client("submit", run=run, steps=steps)["ticket"])
 
 
-def test_two_hosts_train_like_one_through_a_sigkill_and_a_partition(cluster, reference, tmp_path):
-    cluster.add_worker("a")
+def test_two_hosts_train_like_one_through_a_sigkill_and_a_partition(first, tmp_path):
+    cluster, client, reference = first
     second = cluster.add_worker("b")
-    client = cluster.client()
     client.wait_active(2)
     run = client("create", base_model=BASE, seed=SEED)["run"]
     losses = _train(client, run, 2)["losses"]
@@ -251,3 +258,23 @@ def test_tensor_parallel_across_two_hosts_trains_like_one_worker(cluster, refere
     samples = client("sample", run=created["run"])
     assert samples["tokens"] == reference["tp_samples"]["tokens"]
     assert samples["logprobs"] == pytest.approx(reference["tp_samples"]["logprobs"], abs=1e-4)
+
+
+def test_a_worker_its_peers_cannot_reach_says_so_in_one_line(cluster):
+    """Both workers' GLOO_SOCKET_IFNAME names the loopback interface (what gloo's default, the host name's address,
+    gives where /etc/hosts maps it to 127.0.1.1): the group cannot form, and each worker says where its sockets
+    are and what to set, in one line, not a traceback."""
+    for host in ("a", "b"):
+        cluster.add_worker(host, env={"GLOO_SOCKET_IFNAME": "lo"})
+    deadline = time.monotonic() + 120
+    while not any("could not form generation" in cluster.worker_log(i) for i in (0, 1)):
+        assert time.monotonic() < deadline, "no worker reported the group that could not form"
+        time.sleep(0.2)
+    for index, host in ((0, "a"), (1, "b")):
+        log = cluster.worker_log(index)
+        assert "Traceback" not in log, log
+        for line in (line for line in log.splitlines() if "could not form generation" in line):
+            assert " ERROR bios.worker.daemon: could not form generation " in line, line
+            assert (f"this worker's sockets are on interface lo (127.0.0.1) and it reaches the coordinator from "
+                    f"{cluster.hosts[host].address} (interface eth0): if its peers cannot reach it there, set "
+                    f"GLOO_SOCKET_IFNAME to the interface the hosts share") in line, line

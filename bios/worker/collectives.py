@@ -10,10 +10,7 @@ of replica r // tp; `tp_group` joins the shard holders of one replica (the model
 LoRA gradients), `dp_group` the holders of one shard across replicas (the data-parallel gradient sum and the
 hand-over of a shard from replica 0). None stands for the whole world.
 
-gloo and NCCL open their sockets on the interface `GLOO_SOCKET_IFNAME` / `NCCL_SOCKET_IFNAME` name, else on the
-one the host name resolves to, which on many Linux installs is a loopback address (`/etc/hosts` maps it to
-127.0.1.1): peers on other hosts could then never connect. Unless the operator set them, a worker points both
-at the interface holding the address it advertises to its peers (the one it reaches the coordinator from).
+The sockets open on the interface of the address the worker advertises (bios/worker/interfaces.py).
 """
 
 from __future__ import annotations
@@ -21,49 +18,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
-from collections.abc import Mapping
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
+
+from .interfaces import socket_interfaces, unreachable
 
 log = logging.getLogger(__name__)
 
 
 class CollectiveError(RuntimeError):
     """A collective failed (a peer died or timed out); the cycle must be aborted and the group rebuilt."""
-
-
-def advertised_host(coordinator: str) -> str:
-    """The local address peers can reach: the one this host uses to reach the coordinator."""
-    host = coordinator.split("://", 1)[-1].rsplit(":", 1)[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the network interface that holds IP `address` on this host, if any does."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address
-               for a in addresses):
-            return name
-    return None
-
-
-def socket_interfaces(host: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The `*_SOCKET_IFNAME` variables to set so collectives use `host`'s interface; the operator's win."""
-    unset = [var for var in SOCKET_IFNAME_VARS if not environ.get(var)]
-    interface = interface_of(host) if unset else None
-    return {var: interface for var in unset} if interface else {}
 
 
 class CollectiveGroup:
@@ -120,12 +86,7 @@ class CollectiveGroup:
             if tp > 1:
                 self._subgroups(tp)
         except Exception as exc:
-            var = SOCKET_IFNAME_VARS[1] if self.backend == "nccl" else SOCKET_IFNAME_VARS[0]
-            raise CollectiveError(
-                f"could not form generation {generation} ({world} workers): {exc}; peers reach this worker at "
-                f"{self.host} (interface {os.environ.get(var, 'of the host name')}): if that is the wrong network, "
-                f"set {var} to the interface they share"
-            ) from exc
+            raise CollectiveError(unreachable(generation, world, self.backend, self.host, exc, os.environ)) from exc
         log.info("joined generation %d as rank %d of %d (%s, tensor-parallel size %d)", generation, rank, world,
                  self.backend, tp)
 

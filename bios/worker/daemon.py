@@ -31,8 +31,9 @@ from bios.security.keys import WorkerToken
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer, Security
 
-from .collectives import CollectiveGroup, advertised_host
+from .collectives import CollectiveError, CollectiveGroup
 from .executor import CycleExecutor, CycleOutcome
+from .interfaces import advertised_host
 from .memory_plan import runtime_footprint
 from .pool import ModelPool
 
@@ -90,7 +91,10 @@ class Trainer(Actor):
             try:
                 checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
             except Exception as exc:
-                log.exception("could not join generation %d", message.generation)
+                if isinstance(exc, CollectiveError):  # the network, not a bug: its message says what to set
+                    log.error("%s", exc)
+                else:
+                    log.exception("could not join generation %d", message.generation)
                 await self.send(m.Reconfigured(message.generation, self.identity(), {}, error=str(exc)))
             else:
                 await self.send(m.Reconfigured(message.generation, self.identity(), checksums))
