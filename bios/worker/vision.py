@@ -101,4 +101,9 @@ class ImageReader:
 
 def image_reader(info: Any, processor: Any) -> ImageReader | None:
     """The reader of a loaded base model (`info`: its BaseModelInfo), None for a text-only model."""
-    return None if info.vision is None else ImageReader(info.vision, processor)
+    if info.vision is None:
+        return None
+    if processor is None:
+        raise NotImplementedError(f"{info.name} is a vision-language model held without its image processor "
+                                  "(tensor-parallel shards of vision-language models are not supported yet)")
+    return ImageReader(info.vision, processor)
