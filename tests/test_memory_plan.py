@@ -154,6 +154,22 @@ def test_choose_plan_prefers_replication_then_checkpointing_then_bf16_then_tenso
     assert plan_for(6.5, allow_bf16=False) == ("tp2+checkpointing", 2, 2)
 
 
+def test_choose_plan_widens_passes_while_they_fit():
+    def passes(budget_gib: float) -> tuple[str, int]:
+        plan = choose_plan(LLAMA_1B, int(budget_gib * GiB), lora_rank=32, batch_tokens=2048, workers=1,
+                           max_batch_tokens=16384)
+        assert plan.estimate.total <= 0.9 * plan.budget_bytes
+        assert plan.estimate == estimate(LLAMA_1B, lora_rank=32, batch_tokens=plan.batch_tokens, dtype=plan.dtype,
+                                         activation_checkpointing=plan.activation_checkpointing)
+        return plan.name, plan.batch_tokens
+
+    assert passes(80) == ("replicate", 16384)  # a large GPU: one pass for a whole 16k-token batch
+    assert passes(24) == ("replicate", 4096)  # one doubling fits, the next does not
+    assert passes(9) == ("replicate+checkpointing", 2048)  # only the smallest pass fits
+    # without max_batch_tokens the plan keeps the budget it was asked for
+    assert choose_plan(LLAMA_1B, 80 * GiB, lora_rank=32, batch_tokens=2048, workers=1).batch_tokens == 2048
+
+
 def test_choose_plan_fits_the_budget_it_reports():
     plan = choose_plan(LLAMA_1B, 5 * GiB, lora_rank=32, batch_tokens=2048, workers=2)
     assert plan.estimate.total <= 0.9 * 5 * GiB

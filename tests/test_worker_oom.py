@@ -19,11 +19,13 @@ from conftest import BASE, text_datum
 
 import bios
 from bios import types as t
+from bios.coordinator.planning import MAX_TOKENS_PER_PASS
 from bios.exceptions import RequestFailedError
 
 MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")  # cgroup v1, as on these machines
 HEADROOM = 48 * 2**20  # what the worker may grow by before the cgroup kills it: far less than one pass needs
-# 12 rows of 1000 tokens: passes of 4096 (then, after a death, 2048) tokens need well over HEADROOM.
+# 12 rows of 1000 tokens: passes of MAX_TOKENS_PER_PASS (what 4 GiB allows the tiny model; after a death, half as
+# many) need well over HEADROOM.
 BIG = [text_datum(("memory " * 200)[:1001]) for _ in range(12)]
 
 
@@ -84,7 +86,7 @@ def test_the_only_worker_killed_by_memory_leaves_its_request_waiting_for_a_worke
         assert tc.forward_backward([text_datum("and the run goes on")]).result(120).metrics["loss:sum"] > 0
         log = cluster.log_path("coordinator").read_text()
     assert status.training_run_id == tc.model_id
-    assert "passes of at most 2048 tokens" in log  # the retry ran in smaller passes
+    assert f"passes of at most {MAX_TOKENS_PER_PASS // 2} tokens" in log  # the retry ran in smaller passes
     assert "failed to start" not in log and f"training run {status.training_run_id} was lost" not in log
 
 

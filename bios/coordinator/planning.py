@@ -21,9 +21,11 @@ log = logging.getLogger(__name__)
 
 Workers = Callable[[], list[Any]]  # the live workers (membership Members: memory_bytes, runtime_bytes, device)
 
-# Plans are sized for forward/backward passes of at most this many (padded) tokens; workers split bigger
-# batches into passes of this size, so a plan holds whatever the batch.
+# Plans are sized for forward/backward passes of at least PLAN_TOKENS_PER_PASS (padded) tokens, and of up to
+# MAX_TOKENS_PER_PASS where the workers' memory holds them; workers split bigger batches into passes of the
+# plan's size, so a plan holds whatever the batch.
 PLAN_TOKENS_PER_PASS = 4096
+MAX_TOKENS_PER_PASS = 16384
 MIN_TOKENS_PER_PASS = 256
 
 
@@ -64,6 +66,7 @@ class PoolPlanner:
             device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
             allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
+            max_batch_tokens=MAX_TOKENS_PER_PASS,
         )
         tp = max(self.tp, plan.tp)
         for other, other_plan in {**self.plans, base_model: plan}.items():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from bios.exceptions import BadRequestError
@@ -253,8 +253,14 @@ def choose_plan(
     fused_kernels: bool = True,
     model_name: str | None = None,
     overhead_bytes: int | None = None,
+    max_batch_tokens: int | None = None,
 ) -> Plan:
     """The first plan that fits `budget_bytes` per worker, in order of preference (see the module docstring).
+
+    With `max_batch_tokens`, the chosen plan's per-pass budget then doubles from `batch_tokens` while the plan
+    still fits, up to that many tokens: fewer, longer passes do the same work in fewer, larger matmuls (on an
+    H100, SmolLM2 steps of 8x1024 tokens run 2.1x slower in passes of 4096 tokens than in one pass, the GPU
+    waiting on kernel launches).
 
     `allow_bf16=False` keeps the base in fp32 (results then match a single fp32 worker to rounding) and reaches
     for tensor parallelism instead. Raises `BadRequestError` when no plan fits.
@@ -286,7 +292,16 @@ def choose_plan(
                 )
                 tried.append((tp, dtype, checkpointing, found))
                 if found.total <= USABLE_FRACTION * budget_bytes:
-                    return Plan(tp, workers // tp, dtype, checkpointing, batch_tokens, found, budget_bytes)
+                    plan = Plan(tp, workers // tp, dtype, checkpointing, batch_tokens, found, budget_bytes)
+                    while max_batch_tokens and plan.batch_tokens * 2 <= max_batch_tokens:
+                        wider = estimate(config, lora_rank=lora_rank, batch_tokens=plan.batch_tokens * 2, dtype=dtype,
+                                         activation_checkpointing=checkpointing, tp=tp, num_adapters=num_adapters,
+                                         device_type=device_type, fused_kernels=fused_kernels,
+                                         overhead_bytes=overhead_bytes)
+                        if wider.total > USABLE_FRACTION * budget_bytes:
+                            break
+                        plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
+                    return plan
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []
     techniques += ["bf16 weights"] if dtype == "bfloat16" else []
