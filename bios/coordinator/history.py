@@ -50,6 +50,7 @@ class RunHistory:
     def __init__(self, db: GuardedConnection, max_points: int = MAX_POINTS_PER_RUN) -> None:
         self.db = db
         self.max_points = max_points
+        self._counts: dict[str, int] = {}  # points per run, counted once then kept up to date
         self.db.executescript(SCHEMA)
 
     def add(self, run_id: str, point: m.MetricPoint) -> None:
@@ -58,7 +59,8 @@ class RunHistory:
             (run_id, point.step, point.cycle_id, point.time, point.loss, point.tokens, point.total_tokens,
              point.grad_norm, point.learning_rate, json.dumps(point.metrics)),
         )
-        if self.count(run_id) > self.max_points:
+        self._counts[run_id] = self.count(run_id) if run_id not in self._counts else self._counts[run_id] + 1
+        if self._counts[run_id] > self.max_points:
             self._thin(run_id)
 
     def count(self, run_id: str) -> int:
@@ -70,6 +72,7 @@ class RunHistory:
                                                (run_id,)).fetchall()]
         doomed = steps[1: len(steps) // 2: 2]
         self.db.executemany("DELETE FROM run_metrics WHERE run_id = ? AND step = ?", [(run_id, s) for s in doomed])
+        self._counts[run_id] = len(steps) - len(doomed)
 
     def points(self, run_id: str, max_points: int = 0) -> list[m.MetricPoint]:
         """Oldest first; `max_points` > 0 keeps that many, evenly spread, always the newest."""

@@ -162,7 +162,7 @@ async function runView(view, runId) {
 
 function showWho(who) {
   document.getElementById("who").textContent =
-    who.admin ? (who.keys ? "admin: every key's runs" : "local cluster (no keys)") : "key " + who.owner;
+    !who.keys ? "local cluster (no keys)" : who.admin ? "admin: every key's runs" : "key " + who.owner;
   document.getElementById("forget").hidden = !key;
 }
 
