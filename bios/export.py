@@ -1,8 +1,9 @@
 """Export a checkpoint to standard Hugging Face formats, on the client: a PEFT adapter or a merged model.
 
-A Bios checkpoint already stores the LoRA matrices under PEFT's key names with PEFT's scaling convention
-(`lora_alpha / r`), so a PEFT adapter directory is the tensors plus an `adapter_config.json`; a merged model
-is the base model with that adapter folded into its weights.
+A Bios checkpoint already stores the LoRA matrices under PEFT's key names and layouts with PEFT's scaling
+convention (`lora_alpha / r`), so a PEFT adapter directory is the tensors plus an `adapter_config.json`
+(`target_modules` for linear and Conv1D layers, `target_parameters` for 3D routed-expert weights); a merged
+model is the base model with that adapter folded into its weights.
 
 An adapter names its base model the way vLLM and PEFT users look it up: by its Hugging Face hub id when it has
 one (SmolLM2, any name mapped to a local directory), else by the local directory. The directory the exporting
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bios.merge import merge_adapter
 from bios.messages import CheckpointState
 from bios.models.cache import save_model_files
 from bios.models.registry import BUILTIN_NAMES, PULLABLE_NAMES, canonical_name, model_map
@@ -70,7 +72,6 @@ def write_merged_model(state: CheckpointState, out_dir: Path, *, base_model: str
     output head to its input embeddings and the adapter trains the head, the merged model unties them:
     merging into a shared matrix would change the input embeddings too.
     """
-    import peft
     import torch
 
     from bios.models import load_base_model
@@ -89,25 +90,17 @@ def write_merged_model(state: CheckpointState, out_dir: Path, *, base_model: str
         head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         model.config.get_text_config().tie_word_embeddings = False
         model.config.tie_word_embeddings = False
-    peft_model = peft.get_peft_model(model, _lora_config(state, str(loaded.info.local_dir)))
-    tensors = {key: torch.tensor(np.asarray(value), dtype=torch.float32) for key, value in state.adapter.items()}
-    result = peft.set_peft_model_state_dict(peft_model, tensors)
-    missing_lora = [key for key in result.missing_keys if "lora_" in key]
-    if result.unexpected_keys or missing_lora:
-        raise ValueError(
-            f"checkpoint tensors do not fit {base_model}: unexpected {result.unexpected_keys[:3]}, "
-            f"missing {missing_lora[:3]}"
-        )
-    merged = peft_model.merge_and_unload()
+    try:
+        merge_adapter(model, state.adapter, _bios_metadata(state))
+    except ValueError as error:
+        raise ValueError(f"cannot merge into {base_model}: {error}") from None
     out_dir = Path(out_dir)
-    save_model_files(merged, out_dir)
+    save_model_files(model, out_dir)
     loaded.tokenizer.save_pretrained(str(out_dir))
     return out_dir
 
 
-def _lora_config(state: CheckpointState, base_model_dir: str) -> peft.LoraConfig:
-    import peft
-
+def _bios_metadata(state: CheckpointState) -> dict[str, Any]:
     metadata: dict[str, Any] = state.metadata
     missing = [key for key in _NEEDED_METADATA if key not in metadata]
     if missing or metadata["format"] != _FORMAT:
@@ -115,10 +108,21 @@ def _lora_config(state: CheckpointState, base_model_dir: str) -> peft.LoraConfig
             f"not a Bios LoRA checkpoint (format {metadata.get('format')!r}, missing metadata {missing}): export "
             "needs a checkpoint saved by save_state or save_weights_for_sampler"
         )
+    return metadata
+
+
+def _lora_config(state: CheckpointState, base_model_dir: str) -> peft.LoraConfig:
+    import peft
+
+    metadata = _bios_metadata(state)
+    parameters = list(metadata.get("target_parameters", []))
+    modules = [name for name in metadata["target_modules"] if name not in set(parameters)]
     return peft.LoraConfig(
         r=int(metadata["rank"]),
         lora_alpha=metadata["lora_alpha"],
-        target_modules=list(metadata["target_modules"]),
+        target_modules=modules or None,
+        target_parameters=parameters or None,
+        fan_in_fan_out=bool(metadata.get("fan_in_fan_out", False)),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",

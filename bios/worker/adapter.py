@@ -12,60 +12,22 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from bios.exceptions import BadRequestError
 from bios.types import LoraConfig
+from bios.worker.targets import LoraTarget, from_peft_layout, lora_targets, peft_keys, to_peft_layout
+
+__all__ = ["AdapterState", "LoraTarget", "init_lora_weights", "lora_targets", "validate_lora_config"]
 
 # LoRA output scale = LORA_ALPHA / rank (the PEFT `lora_alpha` convention, Tinker's alpha). With this
 # scaling and Adam, the first steps of training look the same at every rank, so a learning rate found at one
 # rank carries over to another.
 LORA_ALPHA = 32
 
-_ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_PEFT_PREFIX = "base_model.model."
 _MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class LoraTarget:
-    """A linear layer an adapter attaches to: `y = W x + scale * B A x` with A [rank, in], B [out, rank]."""
-
-    module_name: str
-    in_features: int
-    out_features: int
-
-
-def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
-    """The linear layers `config` trains, in module order.
-
-    Llama-family models (any model with `q_proj`/.../`down_proj` layers: Llama, Mistral, Qwen, SmolLM...):
-    the attention projections when `train_attn`, the MLP projections when `train_mlp`. Other models: every
-    `nn.Linear` apart from the output head, counted as attention when its path mentions "attn"/"attention"
-    and as MLP otherwise. The output head (`get_output_embeddings()`) when `train_unembed`.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    llama_family = any(name.rsplit(".", 1)[-1] in _ATTN_PROJECTIONS + _MLP_PROJECTIONS for name, _ in linears)
-    targets = []
-    for name, module in linears:
-        if module is head:
-            wanted = config.train_unembed
-        elif llama_family:
-            leaf = name.rsplit(".", 1)[-1]
-            wanted = (leaf in _ATTN_PROJECTIONS and config.train_attn) or (
-                leaf in _MLP_PROJECTIONS and config.train_mlp
-            )
-        else:
-            is_attn = any("attn" in part or "attention" in part for part in name.split("."))
-            wanted = config.train_attn if is_attn else config.train_mlp
-        if wanted:
-            targets.append(LoraTarget(name, module.in_features, module.out_features))
-    return targets
 
 
 def validate_lora_config(model: nn.Module, config: LoraConfig, *, targets: list[LoraTarget] | None = None) -> None:
@@ -120,15 +82,11 @@ def init_lora_weights(targets: list[LoraTarget], rank: int, seed: int) -> dict[s
     generator = torch.Generator(device="cpu").manual_seed(seed)
     weights = {}
     for target in targets:
+        shape_a, shape_b = (tuple(rank if n == -1 else n for n in shape) for shape in target.factor_shapes)
         bound = 1.0 / math.sqrt(target.in_features)
-        lora_a = torch.empty(rank, target.in_features).uniform_(-bound, bound, generator=generator)
-        lora_b = torch.zeros(target.out_features, rank)
-        weights[target.module_name] = (lora_a, lora_b)
+        lora_a = torch.empty(shape_a).uniform_(-bound, bound, generator=generator)
+        weights[target.module_name] = (lora_a, torch.zeros(shape_b))
     return weights
-
-
-def _peft_keys(module_name: str) -> tuple[str, str]:
-    return (f"{_PEFT_PREFIX}{module_name}.lora_A.weight", f"{_PEFT_PREFIX}{module_name}.lora_B.weight")
 
 
 class AdapterState:
@@ -154,7 +112,7 @@ class AdapterState:
         self.step = 0
         self.trainable = trainable
         rank = config.rank
-        total = sum(rank * (t.in_features + t.out_features) for t in targets)
+        total = sum(rank * (t.in_features + t.out_features) * max(1, t.num_experts) for t in targets)
         self.params = torch.zeros(total, dtype=torch.float32, device=device)
         size_of_state = total if trainable else 0
         self.grad = torch.zeros(size_of_state, dtype=torch.float32, device=device)
@@ -165,8 +123,9 @@ class AdapterState:
         offset = 0
         for target in targets:
             pair = []
-            for shape in ((rank, target.in_features), (target.out_features, rank)):
-                size = shape[0] * shape[1]
+            for shape in target.factor_shapes:
+                shape = tuple(rank if n == -1 else n for n in shape)
+                size = math.prod(shape)
                 view = self.params[offset : offset + size].view(shape)
                 if trainable:
                     view.requires_grad_(True)
@@ -230,35 +189,44 @@ class AdapterState:
     def state_dict(self) -> dict[str, Tensor]:
         """Copies of the LoRA matrices under PEFT's key names, so the dict saves as a loadable PEFT adapter."""
         result = {}
-        for name, (lora_a, lora_b) in self._pairs.items():
-            key_a, key_b = _peft_keys(name)
+        keys = peft_keys(self.targets)
+        for target in self.targets:
+            key_a, key_b = keys[target.module_name]
+            lora_a, lora_b = to_peft_layout(target, *self._pairs[target.module_name])
             result[key_a] = lora_a.detach().clone()
             result[key_b] = lora_b.detach().clone()
         return result
 
     def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Copy LoRA matrices in (strict: exactly this adapter's keys and shapes); nothing changes on error."""
-        expected = {}
-        for name, (lora_a, lora_b) in self._pairs.items():
-            key_a, key_b = _peft_keys(name)
-            expected[key_a], expected[key_b] = lora_a, lora_b
-        missing = sorted(expected.keys() - state_dict.keys())
-        unexpected = sorted(state_dict.keys() - expected.keys())
+        peft_shapes, pairs = {}, {}
+        keys = peft_keys(self.targets)
+        for target in self.targets:
+            key_a, key_b = keys[target.module_name]
+            peft_a, peft_b = to_peft_layout(target, *self._pairs[target.module_name])
+            peft_shapes[key_a], peft_shapes[key_b] = tuple(peft_a.shape), tuple(peft_b.shape)
+            pairs[target.module_name] = (key_a, key_b)
+        missing = sorted(peft_shapes.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - peft_shapes.keys())
         if missing or unexpected:
             raise ValueError(
                 f"adapter state does not match this adapter ({len(self.targets)} target layers, rank "
                 f"{self.config.rank}): missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                 f"unexpected keys {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
             )
-        for key, view in expected.items():
-            if tuple(state_dict[key].shape) != tuple(view.shape):
+        for key, shape in peft_shapes.items():
+            if tuple(state_dict[key].shape) != shape:
                 raise ValueError(
                     f"adapter state key {key} has shape {tuple(state_dict[key].shape)}, this adapter needs "
-                    f"{tuple(view.shape)} (rank {self.config.rank}): was it saved from a different rank or model?"
+                    f"{shape} (rank {self.config.rank}): was it saved from a different rank or model?"
                 )
         with torch.no_grad():
-            for key, view in expected.items():
-                view.copy_(state_dict[key])
+            for target in self.targets:
+                key_a, key_b = pairs[target.module_name]
+                lora_a, lora_b = from_peft_layout(target, state_dict[key_a], state_dict[key_b])
+                view_a, view_b = self._pairs[target.module_name]
+                view_a.copy_(lora_a)
+                view_b.copy_(lora_b)
 
     def optimizer_state(self) -> dict[str, Tensor]:
         """Copies of the Adam moments (flat, in `params` layout) and the step count."""

@@ -52,6 +52,10 @@ def export_state(
         "train_attn": adapter.config.train_attn,
         "train_unembed": adapter.config.train_unembed,
         "target_modules": [target.module_name for target in adapter.targets],
+        # for export: which targets are 3D expert parameters (PEFT `target_parameters`), and whether some are
+        # Conv1D layers, whose weights PEFT reads transposed (`fan_in_fan_out`)
+        "target_parameters": [target.module_name for target in adapter.targets if target.kind == "experts"],
+        "fan_in_fan_out": any(target.kind == "conv1d" for target in adapter.targets),
         "step": adapter.step,
         "created": time.time(),
     }

@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformers.pytorch_utils import Conv1D
+
 from bios.kernels import linear_cross_entropy, lora_linear_multi
-from bios.types import LoraConfig
-from bios.worker.adapter import AdapterState, lora_targets
+from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
+from bios.worker.lora_experts import ExpertSlot, attach_experts, record_rows_per_item
+from bios.worker.targets import all_targets
 
 _ATTACHED_FLAG = "_bios_lora_modules"
 
@@ -114,8 +117,38 @@ class LoraLinear(nn.Linear):
         return lora_forward(x, self.weight, self.bias, self.lora_segments)
 
 
+LoraLinear.bios_lora_base = nn.Linear  # what `bios.worker.targets` sees it as
+
+
+class LoraConv1D(Conv1D):
+    """A GPT-2 `Conv1D` (weight stored [in, out]) that also applies the LoRA segments `active_adapters` set on it."""
+
+    bios_lora_base = Conv1D
+    lora_segments: list[LoraSegment]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return lora_forward(x, self.weight.T, self.bias, self.lora_segments)
+
+
+LoraHolder = LoraLinear | LoraConv1D | ExpertSlot
+
+
+def lora_holders(module: nn.Module) -> list[LoraHolder]:
+    """Everything inside `module` that carries `lora_segments` (LoRA layers and expert slots), in module order."""
+    holders: list[LoraHolder] = []
+    for child in module.modules():
+        if isinstance(child, (LoraLinear, LoraConv1D)):
+            holders.append(child)
+        holders.extend(getattr(child, "lora_slots", {}).values())
+    return holders
+
+
 def attach_lora(model: nn.Module) -> None:
-    """Make every potential LoRA target of `model` a `LoraLinear` and freeze the base model. Idempotent.
+    """Make every potential LoRA target of `model` carry LoRA segments and freeze the base model. Idempotent.
+
+    Linear layers become `LoraLinear`, `Conv1D` layers `LoraConv1D`, routed experts get `ExpertSlot`s
+    (`bios.worker.lora_experts`). Modules LoRA cannot adapt are left as they are: an adapter that would train
+    one is refused when it is created (`lora_targets`).
 
     The layer's class is switched in place rather than the layer being wrapped, so parameter names (and
     therefore the base state dict and PEFT key names), tied weights and hooks are all unchanged. The model is
@@ -127,19 +160,17 @@ def attach_lora(model: nn.Module) -> None:
     """
     if hasattr(model, _ATTACHED_FLAG):
         return
-    everything = LoraConfig(rank=1, train_attn=True, train_mlp=True, train_unembed=True)
-    modules = dict(model.named_modules())
-    wrapped: dict[str, LoraLinear] = {}
-    for target in lora_targets(model, everything):
-        module = modules[target.module_name]
-        if type(module) not in (nn.Linear, LoraLinear):
-            raise NotImplementedError(
-                f"cannot attach LoRA to {target.module_name}: it is a {type(module).__name__}, and only plain "
-                "torch.nn.Linear layers (unquantized base models) are supported"
-            )
-        module.__class__ = LoraLinear
+    wrapped: dict[str, LoraHolder] = {}
+    for target in all_targets(model):
+        if target.kind == "experts":
+            module_name, _, parameter = target.module_name.rpartition(".")
+            wrapped[target.module_name] = attach_experts(model, module_name)[parameter]
+            continue
+        module = model.get_submodule(target.module_name)
+        module.__class__ = LoraConv1D if target.kind == "conv1d" else LoraLinear
         module.lora_segments = []
         wrapped[target.module_name] = module
+    record_rows_per_item(model)
     fuse_llama_modules(model)
     weights = model.get_input_embeddings().weight
     choice = base_dtype(weights.device)
@@ -161,7 +192,7 @@ def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterStat
     Segments must not overlap. Each adapter must have been created for this model (its targets are LoRA
     layers of it). The previous segments are restored on exit, so blocks nest.
     """
-    wrapped: dict[str, LoraLinear] | None = getattr(model, _ATTACHED_FLAG, None)
+    wrapped: dict[str, LoraHolder] | None = getattr(model, _ATTACHED_FLAG, None)
     if wrapped is None:
         raise RuntimeError("active_adapters needs attach_lora(model) to have been called on this model first")
     ordered = sorted(segments, key=lambda segment: segment[0])

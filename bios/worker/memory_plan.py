@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from bios.worker.lora import LoraLinear
+from bios.worker.lora import lora_holders
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -33,7 +33,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         if getattr(layer, "_bios_checkpointed", False):
             continue
         plain_forward = layer.forward
-        lora_layers = [module for module in layer.modules() if isinstance(module, LoraLinear)]
+        lora_layers = lora_holders(layer)
 
         def checkpointed(*args, _forward=plain_forward, _lora=lora_layers, **kwargs):
             if not torch.is_grad_enabled():

@@ -1,0 +1,130 @@
+"""Multi-adapter LoRA on routed experts (transformers 5 experts modules with 3D weights).
+
+`attach_experts` switches an experts module's class to a subclass whose forward, while some adapter is
+active on it, runs the generic experts computation of `transformers.integrations.moe` (the module's own
+`has_gate` / `is_transposed` / `has_bias` / `_apply_gate` / `post_expert_norm` describe it) with each expert's
+LoRA added by `bios.kernels.expert_lora.expert_linear`; with no adapter active the stock forward runs
+unchanged. Each adapted 3D parameter has an `ExpertSlot` holding its `lora_segments`, set by
+`active_adapters` like a `LoraLinear`'s.
+
+Segments count rows of the decoder layer's input (dim 0, sequences), while experts see flattened tokens; a
+forward pre-hook on the enclosing decoder layer records how many tokens one row holds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from bios.kernels.expert_lora import ExpertFactors, expert_linear
+from bios.worker.targets import expert_parameters
+
+if TYPE_CHECKING:
+    from bios.worker.lora import LoraSegment
+
+
+class ExpertSlot:
+    """The adapters active on one 3D expert parameter: `LoraSegment`s whose A is [E, r, in] and B [E, out, r]."""
+
+    def __init__(self) -> None:
+        self.lora_segments: list[LoraSegment] = []
+
+
+class _LoraExperts:
+    """Mixin put before a transformers experts class (see the module docstring)."""
+
+    lora_slots: dict[str, ExpertSlot]
+    bios_rows_per_item: int | None
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if not any(slot.lora_segments for slot in self.lora_slots.values()):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return _forward_with_lora(self, hidden_states, top_k_index, top_k_weights)
+
+
+_lora_classes: dict[type, type] = {}
+
+
+def attach_experts(model: nn.Module, module_name: str) -> dict[str, ExpertSlot]:
+    """Give the experts module at `module_name` LoRA slots (idempotent); returns them by parameter name."""
+    module = model.get_submodule(module_name)
+    if not isinstance(module, _LoraExperts):
+        stock = type(module)
+        if stock not in _lora_classes:
+            _lora_classes[stock] = type(f"Lora{stock.__name__}", (_LoraExperts, stock), {"__module__": __name__})
+        module.__class__ = _lora_classes[stock]
+        module.lora_slots = {name: ExpertSlot() for name in expert_parameters(module)}
+        module.bios_rows_per_item = None
+    return module.lora_slots
+
+
+def record_rows_per_item(model: nn.Module) -> None:
+    """Hook every decoder layer holding experts so they learn how many tokens one input row has."""
+    for layer in model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_bios_rows_hook", False):
+            continue
+        experts = [module for module in layer.modules() if isinstance(module, _LoraExperts)]
+        if not experts:
+            continue
+
+        def record(_layer, args, kwargs, _experts=experts):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            for module in _experts:
+                module.bios_rows_per_item = math.prod(hidden.shape[1:-1])
+
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+        layer._bios_rows_hook = True
+
+
+def _blocks(module: _LoraExperts) -> list[tuple[int, int, dict[str, LoraSegment]]]:
+    """The distinct row ranges adapters hold on this module, in order, each with its segment per parameter."""
+    by_range: dict[tuple[int, int], dict[str, LoraSegment]] = {}
+    for name, slot in module.lora_slots.items():
+        for segment in slot.lora_segments:
+            by_range.setdefault((segment.start, segment.end), {})[name] = segment
+    return [(start, end, segments) for (start, end), segments in sorted(by_range.items())]
+
+
+def _forward_with_lora(module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    rows_per_item = module.bios_rows_per_item
+    if rows_per_item is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} ran with adapters active outside a decoder layer Bios hooked: LoRA on "
+            "routed experts needs the experts inside a transformers GradientCheckpointingLayer"
+        )
+    tokens, top_k = top_k_index.shape
+    num_experts = module.down_proj.shape[0]
+    blocks = _blocks(module)
+    slot = torch.full((tokens,), len(blocks), dtype=torch.int64, device=hidden_states.device)
+    for index, (start, end, _) in enumerate(blocks):
+        if end * rows_per_item > tokens:
+            raise ValueError(f"adapter rows [{start}, {end}) exceed the {tokens // rows_per_item} rows of the batch")
+        slot[start * rows_per_item : end * rows_per_item] = index
+    key = slot.repeat_interleave(top_k) * num_experts + top_k_index.reshape(-1)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=(len(blocks) + 1) * num_experts).view(-1, num_experts).tolist()
+    first, second = expert_parameters(module)
+    x = hidden_states[order // top_k]
+    projected = _project(module, first, x, counts, blocks)
+    gated = module._apply_gate(projected) if module.has_gate else module.act_fn(projected)
+    out = _project(module, second, gated, counts, blocks)
+    if module.has_post_expert_norm:
+        out = module.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
+    unsorted = torch.zeros_like(out).index_copy(0, order, out)
+    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _project(module, name: str, x: Tensor, counts: list[list[int]], blocks) -> Tensor:
+    factors: list[ExpertFactors | None] = []
+    for _, _, segments in blocks:
+        segment = segments.get(name)
+        factors.append(None if segment is None else (segment.lora_a, segment.lora_b, segment.scale))
+    factors.append(None)  # rows no adapter holds
+    bias = getattr(module, f"{name}_bias") if module.has_bias else None
+    return expert_linear(x, getattr(module, name), bias, counts, factors, transposed=module.is_transposed)
+
