@@ -113,3 +113,16 @@ def test_errors_come_back_in_openai_shape(client):
         client.completions.create(model="bios://nope:train:0/sampler_weights/x", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
         client.completions.create(model=BASE, prompt="hi", max_tokens=2, n=0)
+
+
+def test_stream_pieces_never_split_a_character():
+    from bios.gateway.openai_wire import pieces
+    from bios.models.builtin import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    text = "héllo wörld 😀!"
+    tokens = list(text.encode())
+    parts = pieces(tokenizer, tokens, text)
+    assert "".join(parts) == text and len(parts) == len(text)
+    assert "\ufffd" not in "".join(parts)
+    assert "".join(pieces(tokenizer, tokens, text[:7])) == text[:7]  # cut before a stop string
