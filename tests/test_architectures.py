@@ -286,3 +286,25 @@ def test_a_layer_lora_cannot_adapt_is_refused_at_creation_naming_it(model_name):
     assert error.value.field == "train_attn"
     adapter = AdapterState.create("run", model, LoraConfig(rank=4, seed=1, train_attn=False), device="cpu")
     assert not any("self_attn" in target.module_name for target in adapter.targets)
+
+
+@pytest.mark.parametrize("model_name", ["qwen3_moe"], indirect=True)
+def test_activation_checkpointing_recomputes_experts_with_their_adapters(model_name):
+    from bios.worker.memory_plan import enable_activation_checkpointing
+
+    model = _loaded(model_name).model
+    adapters = [AdapterState.create(f"run{i}", model, LoraConfig(rank=4, seed=i), device="cpu") for i in range(2)]
+    for i, adapter in enumerate(adapters):
+        _perturbed(adapter, seed=i)
+    items = [ForwardItem(adapter, [_datum(list(text))], "cross_entropy")
+             for adapter, text in zip(adapters, (b"checkpointed experts", b"two adapters"))]
+    plain = forward_backward(model, items)
+    grads = [adapter.pending_grad.clone() for adapter in adapters]
+    for adapter in adapters:
+        adapter.pending_grad.zero_()
+    enable_activation_checkpointing(model)
+    checkpointed = forward_backward(model, items)
+    for before, after in zip(plain, checkpointed):
+        assert before.metrics["loss:sum"] == pytest.approx(after.metrics["loss:sum"], rel=1e-6)
+    for adapter, grad in zip(adapters, grads):
+        torch.testing.assert_close(adapter.pending_grad, grad, rtol=0, atol=1e-6 * float(grad.abs().max()))
