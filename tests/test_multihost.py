@@ -4,8 +4,9 @@ on a host of its own (Linux network namespaces on a bridge, tests/netns_hosts.py
 Workers must open their gloo sockets on the interface of the address they advertise: the host name resolves to a
 loopback address on many installs, and the peers on other hosts could never connect. Shown here: two hosts train
 like one worker (1e-5); a worker SIGKILLed inside a cycle is replaced by a new one on the same host; a host cut
-off for longer than the heartbeat timeout comes back and trains again; TP=2 across two hosts trains like one.
-Skipped only where `ip netns` is not permitted.
+off for longer than the heartbeat timeout comes back and trains again; TP=2 across two hosts trains like one; a
+worker whose peers cannot reach it says so in one line naming the variable to set. Skipped only where
+`ip netns` is not permitted.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ def test_two_hosts_train_like_one_through_a_sigkill_and_a_partition(first, tmp_p
     second.send_signal(signal.SIGSTOP)
     ticket = client("submit", run=run, steps=1)["ticket"]
     client.wait_for(lambda s: s["queue_depth"] <= 1, "the step taken into a cycle")
+    mark = len(cluster.coordinator_log())
     second.kill()
     second.wait()
     replacement = cluster.add_worker("b")
@@ -223,9 +225,11 @@ def test_two_hosts_train_like_one_through_a_sigkill_and_a_partition(first, tmp_p
         losses += trained["losses"]
         assert client.worker(second.pid)["state"] == "dead"
         client.wait_active(2)
+    assert " aborted: " in cluster.coordinator_log()[mark:], "the SIGKILL aborted no cycle"
 
     # A partition longer than the heartbeat timeout, with a step in flight: the cut-off host is declared dead,
     # the other trains alone, and the cut-off one registers again once its link is back.
+    mark = len(cluster.coordinator_log())
     cluster.hosts.cut("b")
     try:
         ticket = client("submit", run=run, steps=1)["ticket"]
@@ -238,6 +242,7 @@ def test_two_hosts_train_like_one_through_a_sigkill_and_a_partition(first, tmp_p
     for trained, step in ((client("results", ticket=ticket), 5), (_train(client, run, 1), 6)):
         assert trained["steps"] == [step]
         losses += trained["losses"]
+    assert " aborted: " in cluster.coordinator_log()[mark:], "the partition aborted no cycle"
     assert losses == pytest.approx(reference["losses"], rel=1e-5)
     assert_same_weights(_weights(client, run, tmp_path / "w.npz"), reference["weights"])
     assert replacement.poll() is None
