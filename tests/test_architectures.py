@@ -13,47 +13,18 @@ import json
 import peft
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from arch_models import CONFIGS, MOE, write_model
+from transformers import AutoModelForCausalLM
 
 from bios.exceptions import BadRequestError
 from bios.export import write_merged_model, write_peft_adapter
 from bios.models import load_base_model
-from bios.models.builtin import byte_level_tokenizer
-from bios.models.cache import save_model_files
-from bios.models.catalog import BOS, BUILTIN_VOCAB_SIZE, BYTE_VOCAB_SIZE, EOS, PAD, SPECIAL_TOKENS
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput
 from bios.worker.adapter import LORA_ALPHA, AdapterState
 from bios.worker.checkpoint import export_state
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
 from bios.worker.lora import attach_lora
 
-_COMMON = dict(
-    vocab_size=BUILTIN_VOCAB_SIZE,
-    bos_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(BOS),
-    eos_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(EOS),
-    pad_token_id=BYTE_VOCAB_SIZE + SPECIAL_TOKENS.index(PAD),
-    tie_word_embeddings=False,
-)
-_DECODER = dict(
-    _COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128,
-)
-_MOE = dict(num_experts_per_tok=2)
-CONFIGS = {
-    "llama": ("llama", dict(_DECODER)),
-    "phi3": ("phi3", dict(_DECODER)),
-    "gpt2": ("gpt2", dict(_COMMON, n_embd=32, n_layer=2, n_head=4, n_positions=128)),
-    "qwen3_moe": ("qwen3_moe", dict(_DECODER, **_MOE, head_dim=8, moe_intermediate_size=16, num_experts=4)),
-    "mixtral": ("mixtral", dict(_DECODER, **_MOE, num_local_experts=4)),
-    "gpt_oss": ("gpt_oss", dict(_DECODER, **_MOE, head_dim=8, num_local_experts=4,
-                                layer_types=["sliding_attention", "full_attention"])),
-    "deepseek_v3": ("deepseek_v3", dict(
-        _DECODER, **_MOE, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
-        q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1,
-        topk_group=1, rope_scaling=None, num_key_value_heads=4,  # MLA has as many k/v heads as queries
-    )),
-}
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 # What the default adapter covers in decoder layer 1 (path inside the layer); routers are never adapted.
 _ATTN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
 _EXPERTS = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
@@ -80,16 +51,7 @@ def fp32_base(monkeypatch):
 def model_name(request, tmp_path, monkeypatch):
     """`test/<arch>`, a tiny random model of the parametrized architecture mapped to a directory."""
     arch = request.param
-    model_type, fields = CONFIGS[arch]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init, so adapters and routing visibly change the outputs
-        for name, param in model.named_parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.08)
-    directory = tmp_path / arch
-    save_model_files(model, directory)
-    byte_level_tokenizer().save_pretrained(directory)
+    directory = write_model(arch, tmp_path / arch)
     name = f"test/{arch}"
     monkeypatch.setenv("BIOS_MODEL_MAP", json.dumps({name: str(directory)}))
     return name

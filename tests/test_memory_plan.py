@@ -211,11 +211,9 @@ def test_the_coordinator_reads_the_same_shape_from_config_json_without_transform
     assert model_shape("no/such-model") is None
 
 
-def test_non_llama_configs_are_refused_by_name():
-    from transformers import GPT2Config
-
-    with pytest.raises(BadRequestError, match="gpt2 model: its config has no intermediate_size"):
-        estimate(GPT2Config(), lora_rank=8, batch_tokens=1024)
+def test_configs_without_decoder_dimensions_are_refused_by_name():
+    with pytest.raises(BadRequestError, match="mystery model: its config has no hidden_size, num_hidden_layers"):
+        estimate(ModelShape.from_dict({"model_type": "mystery", "vocab_size": 100}), lora_rank=8, batch_tokens=1024)
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing

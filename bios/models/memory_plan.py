@@ -17,18 +17,23 @@ parallel over 2, 3 or 4 workers (each again fp32, checkpointed, bf16; 3 serves m
 multiples of 3, like SmolLM2's 9 query and 3 key/value heads). A model that fits nowhere gets a
 `BadRequestError` that says what it needs and what the workers have.
 
+MoE layers count every routed expert's weights and adapter but the activations of the token's active experts
+only; layouts this arithmetic does not know (GPT-2, Phi-3, MLA, MoE) take their weights from the safetensors
+headers when the model directory is at hand (`bios.models.model_shape`), and are not tensor-parallel split.
+
 Pure arithmetic on plain data (no torch, no Transformers), so the coordinator plans from a `config.json`
 (`model_shape`) while the worker keeps what needs a model (`bios.worker.memory_plan`).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from bios.exceptions import BadRequestError
+from bios.models.model_shape import ModelShape, model_shape
+
+__all__ = ["MemoryEstimate", "ModelShape", "Plan", "choose_plan", "estimate", "model_shape"]
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -61,90 +66,6 @@ RUNTIME_OVERHEAD = {"cpu": 400 * MiB, "cuda": 1 * GiB}
 # A plan fits when its estimate is at most this share of the budget: the estimate is good to ~25%.
 USABLE_FRACTION = 0.9
 TENSOR_PARALLEL_SIZES = (2, 3, 4)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a Llama-family decoder (Llama, Mistral, Qwen2/3, SmolLM) that memory depends on."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tied_embeddings: bool
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    max_context_length: int | None = None  # max_position_embeddings, so requests can be checked before a load
-
-    @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> ModelShape:
-        """From the fields of a `config.json` (a multimodal config's `text_config` is the decoder's)."""
-        text = {**config, **config.get("text_config", {})}
-        return cls.from_config(_Fields(text, tie=config.get("tie_word_embeddings", False)))
-
-    @classmethod
-    def from_config(cls, config: PretrainedConfig) -> ModelShape:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        missing = [
-            key
-            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-            if getattr(text, key, None) is None
-        ]
-        if missing:
-            raise BadRequestError(
-                f"cannot plan memory for a {getattr(text, 'model_type', 'unknown')} model: its config has no "
-                f"{', '.join(missing)}; memory planning knows Llama-family decoders (Llama, Mistral, Qwen, SmolLM)",
-                field="base_model",
-            )
-        heads = int(text.num_attention_heads)
-        return cls(
-            vocab_size=int(text.vocab_size),
-            hidden_size=int(text.hidden_size),
-            intermediate_size=int(text.intermediate_size),
-            num_layers=int(text.num_hidden_layers),
-            num_heads=heads,
-            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(text, "attention_bias", False)),
-            mlp_bias=bool(getattr(text, "mlp_bias", False)),
-            max_context_length=getattr(text, "max_position_embeddings", None),
-        )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linears(self) -> dict[str, tuple[int, int, str]]:
-        """Per decoder layer: projection name -> (in, out, how tensor parallelism splits it)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        return {
-            "q_proj": (h, q, "column"),
-            "k_proj": (h, kv, "column"),
-            "v_proj": (h, kv, "column"),
-            "o_proj": (q, h, "row"),
-            "gate_proj": (h, i, "column"),
-            "up_proj": (h, i, "column"),
-            "down_proj": (i, h, "row"),
-        }
-
-    def tensor_parallel_problem(self, tp: int) -> str | None:
-        """Why this model cannot be split over `tp` workers, or None when it can."""
-        for what, count in (
-            ("attention heads", self.num_heads),
-            ("key/value heads", self.num_kv_heads),
-            ("MLP intermediate size", self.intermediate_size),
-        ):
-            if count % tp:
-                return f"its {count} {what} do not split evenly over {tp} workers"
-        return None
 
 
 @dataclass(frozen=True)
@@ -322,43 +243,73 @@ def _gib(size: int) -> str:
     return f"{size / GiB:.2f} GiB"
 
 
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
 def _weight_elements(shape: ModelShape, tp: int) -> int:
-    """Frozen parameters one worker holds: replicated embeddings/head/norms, 1/tp of each layer's projections."""
+    """Frozen parameters one worker holds: replicated embeddings/head/norms, 1/tp of each layer's projections.
+
+    A MoE layer holds its routed experts (3 matrices each), router and shared experts instead of a dense MLP.
+    The count read from the weight files replaces the arithmetic when the planner does not know the layout.
+    """
+    if shape.stored_parameters is not None and tp == 1:
+        return shape.stored_parameters
     h = shape.hidden_size
     embeddings = shape.vocab_size * h * (1 if shape.tied_embeddings else 2)
-    per_layer = 0
+    attention = mlp = 0
     for name, (fan_in, fan_out, _) in shape.linears().items():
-        biased = shape.mlp_bias if name in ("gate_proj", "up_proj", "down_proj") else shape.attention_bias
-        per_layer += fan_in * fan_out + (fan_out if biased else 0)
+        biased = shape.mlp_bias if name in _MLP_NAMES else shape.attention_bias
+        size = fan_in * fan_out + (fan_out if biased else 0)
+        if name in _MLP_NAMES:
+            mlp += size
+        else:
+            attention += size
+    experts = shape.num_experts * (3 * h * shape.expert_intermediate_size + h) + 3 * h * shape.shared_intermediate_size
     norms = 2 * h + 2 * shape.head_dim  # input/post-attention norms (+ q/k norms of Qwen3: a rounding error)
-    return embeddings + shape.num_layers * (per_layer // tp + norms) + h
+    dense_layers = shape.num_layers - shape.moe_layers
+    layers = dense_layers * ((attention + mlp) // tp) + shape.moe_layers * (attention // tp + experts)
+    return embeddings + layers + shape.num_layers * norms + h
 
 
 def _lora_elements(shape: ModelShape, rank: int, tp: int) -> int:
     """LoRA parameters one worker holds: a column-split layer keeps all of A and 1/tp of B, a row-split one
-    1/tp of A and all of B; the output head's adapter is whole everywhere."""
-    per_layer = 0
-    for fan_in, fan_out, split in shape.linears().values():
-        if split == "column":
-            per_layer += rank * (fan_in + fan_out // tp)
+    1/tp of A and all of B; the output head's adapter is whole everywhere. A MoE layer's routed experts get
+    one A/B per expert per matrix, its shared experts one per matrix."""
+    attention = mlp = 0
+    for name, (fan_in, fan_out, split) in shape.linears().items():
+        size = rank * (fan_in + fan_out // tp) if split == "column" else rank * (fan_in // tp + fan_out)
+        if name in _MLP_NAMES:
+            mlp += size
         else:
-            per_layer += rank * (fan_in // tp + fan_out)
+            attention += size
+    h, width, shared = shape.hidden_size, shape.expert_intermediate_size, shape.shared_intermediate_size
+    experts = shape.num_experts * rank * (3 * h + 3 * width) + (3 * rank * (h + shared) if shared else 0)
     head = rank * (shape.hidden_size + shape.vocab_size)
-    return shape.num_layers * per_layer + head
+    dense_layers = shape.num_layers - shape.moe_layers
+    return dense_layers * (attention + mlp) + shape.moe_layers * (attention + experts) + head
 
 
-def _saved_per_token_layer(shape: ModelShape, rank: int, dtype: Dtype, tp: int, fused: bool) -> float:
+def _saved_per_token_layer(
+    shape: ModelShape, rank: int, dtype: Dtype, tp: int, fused: bool, *, moe: bool = False
+) -> float:
     """Bytes autograd saves per token in one decoder layer with LoRA on every projection.
 
     Per block half: the residual input and the normed output (H each; the stock RMSNorm saves an fp32 copy
     of its input). Attention: rotated q, k, v, sdpa's output and its contiguous copy for o_proj (3q + 2kv;
     with a padding mask sdpa repeats k and v to q size, so 5q, counted always). MLP: gate and up, silu(gate)
     unless the fused SwiGLU recomputes it, and the product (3I fused, 4I stock). LoRA: `x Aᵀ` per projection
-    (r each). The q and I terms split over `tp` workers.
+    (r each). The q and I terms split over `tp` workers. A MoE layer (`moe`) keeps, for each of the token's
+    active experts, its gathered input and output (2H), gate/up, the gated product (3 I_expert) and two
+    rank-sized LoRA products, plus a dense MLP's share for its shared experts.
     """
     act = _DTYPE_BYTES[dtype]
     h, q, i = shape.hidden_size, shape.q_size, shape.intermediate_size
     replicated = 4 * h * act if fused else 2 * h * _FP32 + 2 * h * act
+    if moe:
+        active = shape.experts_per_token
+        per_expert = 2 * h + 4 * shape.expert_intermediate_size + 2 * rank
+        shared = 4 * shape.shared_intermediate_size + 3 * rank
+        return replicated + (5 * q + active * per_expert + shared) * act + 4 * rank * act
     split = (5 * q + (3 if fused else 4) * i) * act
     lora = 7 * rank * act
     return replicated + split / tp + lora
@@ -367,13 +318,15 @@ def _saved_per_token_layer(shape: ModelShape, rank: int, dtype: Dtype, tp: int, 
 def _activation_bytes(
     shape: ModelShape, rank: int, tokens: int, dtype: Dtype, checkpointing: bool, tp: int, fused: bool
 ) -> int:
-    per_layer = _saved_per_token_layer(shape, rank, dtype, tp, fused) * tokens * _ACTIVATION_FRAGMENTATION
+    dense = _saved_per_token_layer(shape, rank, dtype, tp, fused) * tokens * _ACTIVATION_FRAGMENTATION
+    moe = _saved_per_token_layer(shape, rank, dtype, tp, fused, moe=True) * tokens * _ACTIVATION_FRAGMENTATION
     # One layer's backward: gradients of its I-sized and H-sized activations while its saved ones are live.
-    backward = tokens * (3 * shape.intermediate_size / tp + 3 * shape.hidden_size) * _FP32
+    width = max(shape.intermediate_size / tp, shape.experts_per_token * shape.expert_intermediate_size)
+    backward = tokens * (3 * width + 3 * shape.hidden_size) * _FP32
     if checkpointing:
         kept = shape.num_layers * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _CHECKPOINT_FRAGMENTATION
-        return int(kept + per_layer + backward)
-    return int(shape.num_layers * per_layer + backward)
+        return int(kept + max(dense, moe if shape.moe_layers else 0) + backward)
+    return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward)
 
 
 def _logits_bytes(shape: ModelShape, tokens: int, dtype: Dtype, fused: bool) -> int:
@@ -385,40 +338,3 @@ def _logits_bytes(shape: ModelShape, tokens: int, dtype: Dtype, fused: bool) -> 
     per_logit = act + (_FP32 if act != _FP32 else 0)  # low-precision logits get an fp32 softmax buffer
     buffers = _FUSED_LOGITS_BUFFERS * chunk * shape.vocab_size * per_logit
     return buffers + 2 * tokens * shape.hidden_size * _FP32  # + d loss / d hidden and its scaled copy
-
-
-class _Fields:
-    """A `config.json` dict read through attributes, as `ModelShape.from_config` reads a Transformers config."""
-
-    def __init__(self, fields: Mapping[str, Any], *, tie: bool) -> None:
-        self._fields = dict(fields)
-        self.tie_word_embeddings = tie
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._fields[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
-def model_shape(name: str) -> ModelShape | None:
-    """The shape of base model `name` from its `config.json`, without loading anything or writing a model.
-
-    Built-ins come from their catalog entry; other names from the directory they resolve to on this host.
-    None when this host does not have the model (a pulled model not pulled yet, a directory only workers see).
-    """
-    from bios.models.catalog import BUILTIN_MODELS
-    from bios.models.registry import UnknownModelError, _resolve, canonical_name
-
-    name = canonical_name(name)
-    if name in BUILTIN_MODELS:
-        spec = BUILTIN_MODELS[name]
-        return ModelShape.from_dict({"model_type": spec.model_type, **spec.config})
-    try:
-        directory = _resolve(name, create=False)
-    except UnknownModelError:
-        return None
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        return None
-    return ModelShape.from_dict(json.loads(config_file.read_text()))
