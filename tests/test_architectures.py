@@ -270,3 +270,40 @@ def test_activation_checkpointing_recomputes_experts_with_their_adapters(model_n
         assert before.metrics["loss:sum"] == pytest.approx(after.metrics["loss:sum"], rel=1e-6)
     for adapter, grad in zip(adapters, grads):
         torch.testing.assert_close(adapter.pending_grad, grad, rtol=0, atol=1e-6 * float(grad.abs().max()))
+
+
+@pytest.mark.parametrize("model_name", ["qwen3_moe", "gpt2"], indirect=True)
+def test_sampling_with_adapters_and_the_base_in_one_batch_matches_the_training_forward(model_name):
+    from bios.types import SamplingParams
+    from bios.worker.sampling import SampleItem, generate
+
+    loaded = _loaded(model_name)
+    model = loaded.model
+    adapters = [AdapterState.create(f"run{i}", model, LoraConfig(rank=4, seed=i), device="cpu") for i in range(2)]
+    for i, adapter in enumerate(adapters):
+        _perturbed(adapter, seed=i)
+    prompt = TOKENS[:8]
+    params = SamplingParams(max_tokens=6, seed=3, stop=[])
+    items = [SampleItem(adapters[0], prompt, 2, params), SampleItem(None, prompt, 1, params),
+             SampleItem(adapters[1], prompt, 1, params)]
+    results = generate(model, loaded.tokenizer, items, eos_token_id=None)
+    for item, result in zip(items, results):
+        for sequence in result.sequences:
+            full = prompt + sequence.tokens
+            datum = Datum(ModelInput.from_ints(full[:-1]), {"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
+            adapter = item.adapter or AdapterState.create("base", model, LoraConfig(rank=4, seed=9), device="cpu")
+            expected = forward_backward(model, [ForwardItem(adapter, [datum], "cross_entropy", forward_only=True)])[0]
+            expected_logprobs = expected.loss_fn_outputs[0]["logprobs"].to_torch()[len(prompt) - 1:]
+            torch.testing.assert_close(torch.tensor(sequence.logprobs), expected_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_name", ["gpt_oss"], indirect=True)
+def test_a_checkpoint_restores_every_experts_factors(model_name):
+    from bios.worker.checkpoint import restore_adapter
+
+    loaded, adapter, state = _trained_like(model_name)
+    restored = restore_adapter("copy", loaded.model, state, with_optimizer=False, device="cpu")
+    assert torch.equal(restored.params, adapter.params)
+    target = next(t for t in adapter.targets if t.kind == "experts")
+    lora_a, lora_b = adapter.lora_pair(target.module_name)
+    assert lora_a.shape == (4, 4, target.in_features) and lora_b.shape == (4, target.out_features, 4)
