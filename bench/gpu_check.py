@@ -55,6 +55,14 @@ SHAPES = {
 }
 
 
+def meta_model(shape: str) -> torch.nn.Module:
+    """The Llama of `shape` without weights (on the meta device): enough to count its FLOPs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+
+
 def write_model(shape: str, directory: Path, device: torch.device) -> Path:
     """A random-weight Llama of `shape` in bf16 plus the byte-level tokenizer, written once into `directory`."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -109,6 +117,8 @@ class PeftLoop:
         sync(self.device)
         elapsed = time.perf_counter() - started
         self.peak_mib = max(self.peak_mib, peak.extra_mib())
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the memory back for Bios's worker, which shares the GPU
         return steps / elapsed
 
 
@@ -127,7 +137,7 @@ async def training(shape: str, model_dir: Path, args: argparse.Namespace, device
             rates["bios"].append(await pipelined_steps_per_s(tc, data, args.steps, args.depth))
             print(f"  round {round_ + 1}: peft {rates['peft'][-1]:.2f} steps/s, bios {rates['bios'][-1]:.2f} steps/s",
                   flush=True)
-    flops = training_step_flops(reference.model.base_model.model, [args.seq] * args.batch, args.rank).total
+    flops = training_step_flops(meta_model(shape), [args.seq] * args.batch, args.rank).total
     medians = {name: statistics.median(values) for name, values in rates.items()}
     return {"shape": shape, "flops": flops, "peft_peak_mib": reference.peak_mib,
             **{f"{name}_steps_per_s": rate for name, rate in medians.items()},

@@ -63,17 +63,22 @@ def peft_steps_per_s(model_name: str, data: list[types.Datum], rank: int, steps:
 
 
 async def pipelined_steps_per_s(tc: bios.TrainingClient, data: list[types.Datum], steps: int, depth: int) -> float:
-    """`steps` (forward_backward, optim_step) pairs with up to `depth` steps in flight; steps per second."""
+    """`steps` (forward_backward, optim_step) pairs with up to `depth` steps in flight; steps per second.
+
+    Both results of every step are awaited, so a failed forward_backward (out of memory, say) raises here
+    instead of leaving an optimizer step with no gradient to be timed."""
     params = types.AdamParams(learning_rate=1e-4)
     in_flight: deque = deque()
     started = time.perf_counter()
     for _ in range(steps):
-        await tc.forward_backward_async(data, "cross_entropy")
-        in_flight.append(await tc.optim_step_async(params))
+        forward_backward = await tc.forward_backward_async(data, "cross_entropy")
+        in_flight.append((forward_backward, await tc.optim_step_async(params)))
         if len(in_flight) >= depth:
-            await in_flight.popleft()
+            for future in in_flight.popleft():
+                await future
     while in_flight:
-        await in_flight.popleft()
+        for future in in_flight.popleft():
+            await future
     return steps / (time.perf_counter() - started)
 
 
