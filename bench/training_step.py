@@ -46,6 +46,7 @@ from bios.worker.adapter import LORA_ALPHA, AdapterState, lora_targets  # noqa: 
 from bios.worker.compute_mode import base_dtype  # noqa: E402
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step  # noqa: E402
 from bios.worker.lora import attach_lora  # noqa: E402
+from flops import gemm_peak, training_step_flops  # noqa: E402
 from machine import describe_machine  # noqa: E402
 from peak_memory import PeakMemory  # noqa: E402
 from training_throughput import make_batch  # noqa: E402
@@ -168,6 +169,18 @@ def default_base_dtype() -> str:
     return f"{str(choice.dtype or torch.float32).removeprefix('torch.')} ({choice.reason})"
 
 
+def matmul_dtype(config: str) -> torch.dtype:
+    """The dtype a configuration's frozen matmuls run in, whose GEMM peak its MFU is taken against."""
+    if config == "bios":
+        saved = os.environ.pop("BIOS_BASE_DTYPE", None)
+        try:
+            return base_dtype(_device()).dtype or torch.float32
+        finally:
+            if saved is not None:
+                os.environ["BIOS_BASE_DTYPE"] = saved
+    return torch.bfloat16 if config.endswith("-bf16") else torch.float32
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -205,9 +218,14 @@ def main() -> None:
     steps = _subprocess("--timing", configs, args)
     times = {config: statistics.median(values) for config, values in steps.items()}
     tokens = args.batch * args.seq
+    flops = training_step_flops(load_base_model(args.model).model, [args.seq] * args.batch, args.rank).total
+    peaks = {dtype: gemm_peak(dtype, _device()) for dtype in {matmul_dtype(config) for config in configs}}
+    print(f"{flops / 1e9:.0f} GFLOP of matmul per step (bench/flops.py); GEMM peak here, 2048^3 with "
+          f"{torch.get_num_threads()} threads: " + ", ".join(f"{str(d).removeprefix('torch.')} {p / 1e9:.0f} GFLOP/s"
+                                                          for d, p in peaks.items()))
     reference = configs[0]
     print(f"\n{'config':<11} {'median step':>11} {'(min-max)':>13} {'tokens/s':>9} {'x ' + reference:>8} "
-          f"{'peak extra':>11} {'x ' + reference:>8}  target")
+          f"{'MFU':>5} {'peak extra':>11} {'x ' + reference:>8}  target")
     for config in configs:
         ratios = {"tokens/s": times[reference] / times[config], "memory": memory[config] / memory[reference]}
         verdicts = []
@@ -215,8 +233,10 @@ def main() -> None:
             met = ratios[metric] >= limit if metric == "tokens/s" else ratios[metric] <= limit
             verdicts.append(f"{metric} {'>=' if metric == 'tokens/s' else '<='}{limit}x {'met' if met else 'MISSED'}")
         spread = f"({min(steps[config]):.2f}-{max(steps[config]):.2f})"
+        mfu = flops / times[config] / peaks[matmul_dtype(config)]
         print(f"{config:<11} {times[config]:>10.2f}s {spread:>13} {tokens / times[config]:>9.0f} "
-              f"{ratios['tokens/s']:>7.2f}x {memory[config]:>7.0f} MiB {ratios['memory']:>7.2f}x  {', '.join(verdicts)}")
+              f"{ratios['tokens/s']:>7.2f}x {mfu:>5.0%} {memory[config]:>7.0f} MiB {ratios['memory']:>7.2f}x  "
+              f"{', '.join(verdicts)}")
     print(f"\n(after the run) {describe_machine()}")
 
 
