@@ -112,7 +112,7 @@ def _forward_with_lora(module, hidden_states: Tensor, top_k_index: Tensor, top_k
     projected = _project(module, first, x, counts, blocks)
     gated = module._apply_gate(projected) if module.has_gate else module.act_fn(projected)
     out = _project(module, second, gated, counts, blocks)
-    if module.has_post_expert_norm:
+    if getattr(module, "has_post_expert_norm", False):  # transformers >= 5.2x
         out = module.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
     unsorted = torch.zeros_like(out).index_copy(0, order, out)
