@@ -23,7 +23,8 @@ from bios import types as bt
 from bios.actors.remote import RemoteError
 from bios.exceptions import RateLimitError
 from bios.gateway import json_wire, proto
-from bios.gateway.futures import Promises, json_reply
+from bios.coordinator.watchdog import NO_WORKER
+from bios.gateway.futures import NOTICE_FRESH_S, Promises, json_reply
 from bios.gateway.server import Gateway, GatewayConfig, error_response
 
 KEY = "tml-test"
@@ -409,6 +410,23 @@ async def test_a_poll_answers_when_the_result_comes_or_gives_up_after_its_time()
     assert b"gap" in (await promises.wait("r#2", "alice", 1)).body
     promises.expect("r#2", "alice", render)  # resent after a failure: the coordinator answers it afresh
     assert await promises.wait("r#2", "alice", 0.01) is None
+
+
+def test_a_pending_promise_says_why_it_waits_while_the_reason_is_fresh():
+    promises = Promises(keep_served_s=60, keep_unclaimed_s=60)
+
+    async def render(result):
+        return json_reply(result)
+
+    promises.expect("r#1", "alice", render)
+    assert promises.waiting_reason("r#1") is None  # nothing said: the queue is active
+    promises.deliver(bm.Notice("r#1", NO_WORKER))
+    assert promises.waiting_reason("r#1") == NO_WORKER
+    promises._promises["r#1"].notice_at -= NOTICE_FRESH_S + 1  # not repeated since: the worker may be back
+    assert promises.waiting_reason("r#1") is None
+    promises.deliver(bm.Notice("r#1", NO_WORKER))
+    promises.settle("r#1", json_reply(1))
+    assert promises.waiting_reason("r#1") is None and promises.waiting_reason("unknown#1") is None
 
 
 def test_failures_carry_the_user_category():

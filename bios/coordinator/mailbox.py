@@ -71,6 +71,13 @@ class QueueDepth:
 
 
 @dataclass(frozen=True)
+class NotifyWaiting:
+    """Tell the clients of every waiting request why it waits (no worker is connected): a Notice each."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Adapters:
     """The adapters every worker of a generation must hold: one per ready run."""
 

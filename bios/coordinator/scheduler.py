@@ -35,6 +35,7 @@ from .mailbox import (
     PlanDescriptions,
     PoolLayout,
     Query,
+    NotifyWaiting,
     QueueDepth,
     Recovered,
     RunsLost,
@@ -132,6 +133,11 @@ class Scheduler(Actor):
             return await self._expire_gaps(message.gap_s)
         if isinstance(message, Stalled):
             return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
+        if isinstance(message, NotifyWaiting):
+            waiting = [q.request_id for run in self.runs.values() for q in run.queue.values()]
+            for request_id in waiting + [q.request_id for q in self.samples]:
+                await self.results.notify(request_id, message.message)
+            return None
         if isinstance(message, QueueDepth):
             if message.by_pool:
                 return self._queue_depths()

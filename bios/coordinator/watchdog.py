@@ -14,7 +14,10 @@ from typing import Any
 from bios.actors.actor import ActorRef
 
 from .front_door import FrontDoor
-from .mailbox import ExpireGaps, QueueDepth, Stalled
+from .mailbox import ExpireGaps, NotifyWaiting, QueueDepth, Stalled
+
+NO_WORKER = "no worker is connected: it runs when one is (start one with bios-worker)"
+PROGRESS_EVERY_S = 30.0  # the longest pause between progress checks (and so between NO_WORKER notices)
 from .membership import Membership
 
 log = logging.getLogger(__name__)
@@ -59,13 +62,14 @@ class Watchdog:
 
     async def watch_progress(self) -> None:
         """Report queues that make no progress and close sessions nobody heard from for the session timeout."""
-        interval = min(30.0, self.stalled_after_s / 2)
+        interval = min(PROGRESS_EVERY_S, self.stalled_after_s / 2)
         while True:
             await asyncio.sleep(interval)
             for why in await self.scheduler.ask(Stalled(self.stalled_after_s)):
                 log.warning("no progress: %s", why)
             waiting = await self.scheduler.ask(QueueDepth())
             if waiting and not self.membership.alive():
-                log.warning("%d request(s) wait: no worker is connected (start one with bios-worker)", waiting)
+                log.warning("%d request(s) wait: %s", waiting, NO_WORKER)
+                await self.scheduler.ask(NotifyWaiting(NO_WORKER))
             for session_id in self.front_door.expire_sessions(self.session_timeout_s):
                 log.info("session %s closed: nothing heard from it for %.0fs", session_id, self.session_timeout_s)

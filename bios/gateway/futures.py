@@ -18,6 +18,7 @@ from typing import Any
 
 from bios import messages as m
 from bios.actors.remote import RemoteError
+from bios.coordinator.watchdog import PROGRESS_EVERY_S
 
 from . import json_wire
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
+NOTICE_FRESH_S = 2.5 * PROGRESS_EVERY_S  # a reason the coordinator has not repeated for this long may be stale
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class Promise:
     served_at: float | None = None
     failed: bool = False  # its reply is an error: a resubmission asks the coordinator again (which may run it,
     # if it was withdrawn, or answer the same error from its log)
+    notice: str | None = None  # why it waits, as the coordinator last said
+    notice_at: float = 0.0
 
 
 class Promises:
@@ -86,6 +90,8 @@ class Promises:
         """A result pushed by the coordinator; rendering runs as a task so the push never waits on it."""
         if isinstance(done, m.Notice):
             log.info("%s: %s", done.request_id, done.message)
+            if (promise := self._promises.get(done.request_id)) is not None:
+                promise.notice, promise.notice_at = done.message, time.monotonic()
             return
         promise = self._promises.get(done.request_id)
         if promise is None or promise.reply is not None:
@@ -119,6 +125,14 @@ class Promises:
             promise.reply = reply
             promise.ready.set()
             self._pending -= 1
+
+    def waiting_reason(self, request_id: str) -> str | None:
+        """Why a pending request waits, if the coordinator said so lately: it repeats a reason that still holds
+        at least every `PROGRESS_EVERY_S`, so an older one may no longer be true."""
+        promise = self._promises.get(request_id)
+        if promise is None or promise.notice is None or promise.reply is not None:
+            return None
+        return promise.notice if time.monotonic() - promise.notice_at <= NOTICE_FRESH_S else None
 
     async def wait(self, request_id: str, owner: str, timeout_s: float) -> Reply | None:
         """The reply once ready, or None after `timeout_s` (or at shutdown). KeyError for an id unknown to `owner`."""

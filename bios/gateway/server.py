@@ -418,7 +418,10 @@ class Gateway:
             raise NotFoundError(f"no request {request_id!r} was submitted through this gateway (or its result "
                                 "expired)", field="request_id") from None
         if reply is None:
-            return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            waiting = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            if reason := self.promises.waiting_reason(request_id):
+                waiting |= {"queue_state": "paused_capacity", "queue_state_reason": reason}
+            return web.json_response(waiting)
         return web.Response(body=reply.body, content_type=reply.content_type)
 
     # ------------------------------------------------------------------------------------ REST routes
