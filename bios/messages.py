@@ -143,6 +143,8 @@ class Sample:
     base_model: str = ""
     adapter_path: str | None = None
     adapter_state: CheckpointState | None = None
+    topk_prompt_logprobs: int = 0  # > 0: the k most likely tokens at every prompt position
+    prompt_alt_tokens_k: int = 0  # > 0: k draws at every prompt position after the first
 
 
 @dataclass(frozen=True)

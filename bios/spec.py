@@ -25,6 +25,8 @@ from bios.exceptions import BadRequestError
 
 MAX_SEED = 2**63 - 1  # seeds travel as int64 (LoRA init, sampling generators)
 MAX_SAMPLES_PER_REQUEST = 128
+MAX_PROMPT_TOPK = 1024  # topk_prompt_logprobs / prompt_alt_tokens_k: a (prompt, k) table each
+MAX_ADDITIVE_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range [-2, 2]
 MAX_LORA_RANK = 512
 
 
@@ -275,8 +277,12 @@ def check_seed(seed: object, field_name: str, what: str) -> None:
 
 
 def check_sample(prompt: t.ModelInput | Sequence[int], num_samples: int, params: t.SamplingParams,
-                 limits: ModelLimits | None) -> None:
+                 limits: ModelLimits | None, *, topk_prompt_logprobs: int = 0, prompt_alt_tokens_k: int = 0) -> None:
     """A sampling request; `limits` (when known) bounds token ids and the context and checks images."""
+    for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
+        if not _is_int(k) or not 0 <= k <= MAX_PROMPT_TOPK:
+            raise BadRequestError(f"{name} must be an integer between 0 (off) and {MAX_PROMPT_TOPK}, got {k!r}",
+                                  field=name)
     if not _is_int(num_samples) or not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
         raise BadRequestError(f"num_samples must be an integer between 1 and {MAX_SAMPLES_PER_REQUEST}, got "
                               f"{num_samples!r}", field="num_samples")
@@ -308,6 +314,21 @@ def check_sample(prompt: t.ModelInput | Sequence[int], num_samples: int, params:
                               field="sampling_params.top_p")
     check_seed(params.seed, "sampling_params.seed", "sampling_params.seed")
     _check_stop(params.stop, limits)
+    _check_penalties(params)
+
+
+def _check_penalties(params: t.SamplingParams) -> None:
+    if not _is_number(params.min_p) or not 0 <= params.min_p <= 1:
+        raise BadRequestError(f"sampling_params.min_p must be in [0, 1] (0 = off), got {params.min_p!r}",
+                              field="sampling_params.min_p")
+    if not _is_number(params.repetition_penalty) or params.repetition_penalty <= 0:
+        raise BadRequestError(f"sampling_params.repetition_penalty must be a finite number > 0 (1 = off), got "
+                              f"{params.repetition_penalty!r}", field="sampling_params.repetition_penalty")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not _is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+            raise BadRequestError(f"sampling_params.{name} must be in [-{MAX_ADDITIVE_PENALTY}, "
+                                  f"{MAX_ADDITIVE_PENALTY}] (0 = off), got {value!r}", field=f"sampling_params.{name}")
 
 
 def stop_strings(stop: object) -> list[str]:

@@ -176,6 +176,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # Beyond Tinker's fields (vLLM's meanings; bios.worker.logits_processing applies them):
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already sampled
+    frequency_penalty: float = 0.0  # subtracted once per time a token was already sampled
 
 
 # -------------------------------------------------------------------------------------------- results
@@ -220,10 +225,34 @@ class SampledSequence:
     sequence_id: str | None = None
 
 
+# Tinker's filler for the empty cells of a `TopkLogprobs` (with token id 0).
+TOPK_MASK_LOGPROB = -99999.0
+
+
+@dataclass(frozen=True)
+class TopkLogprobs:
+    """The k most likely tokens at each position, most likely first, as dense `(length, k)` int64 / float32
+    matrices; a position without values (the prompt's first) holds token 0 with `TOPK_MASK_LOGPROB`."""
+
+    token_ids: TensorData
+    logprobs: TensorData
+
+
+@dataclass(frozen=True)
+class PromptAltTokens:
+    """`k` draws (with replacement, at the request's temperature) from the next-token distribution at each
+    prompt position after the first, and their logprobs under that distribution: `[len(prompt) - 1, k]`."""
+
+    tokens: TensorData
+    logprobs: TensorData
+
+
 @dataclass(frozen=True)
 class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
 
 
 @dataclass(frozen=True)

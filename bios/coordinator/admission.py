@@ -143,7 +143,9 @@ class Admission:
         try:
             op = dataclasses.replace(op, prompt=_read_images(op.prompt, "prompt"))
             spec.check_sample(op.prompt, op.num_samples, op.sampling_params,
-                              self._limits(sampler.base_model, infos))
+                              self._limits(sampler.base_model, infos),
+                              topk_prompt_logprobs=op.topk_prompt_logprobs,
+                              prompt_alt_tokens_k=op.prompt_alt_tokens_k)
             max_tokens = op.sampling_params.max_tokens or 1
             self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
         except BiosAPIError as exc:

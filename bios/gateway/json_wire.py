@@ -168,9 +168,8 @@ def create_sampling_session(body: Body) -> m.CreateSamplingSession:
 
 def sample(body: Body) -> tuple[m.Sample, int | None]:
     """An asample request and its `prompt_logprobs_last_n`; what Bios cannot compute is refused, not ignored."""
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.integer(name, 0):
-            raise BadRequestError(f"{name} is not supported by Bios; send 0", field=name)
+    if body.integer("topk_sample_logprobs", 0):
+        raise BadRequestError("topk_sample_logprobs is not supported by Bios; send 0", field="topk_sample_logprobs")
     if body.data.get("target_prompt_logprobs") is not None:
         raise BadRequestError("target_prompt_logprobs is not supported by Bios", field="target_prompt_logprobs")
     sampling_session_id = body.text("sampling_session_id", None)
@@ -189,6 +188,8 @@ def sample(body: Body) -> tuple[m.Sample, int | None]:
         num_samples=body.integer("num_samples", 1),
         sampling_params=sampling_params(body.child("sampling_params")),
         prompt_logprobs=prompt_logprobs,
+        topk_prompt_logprobs=body.integer("topk_prompt_logprobs", 0),
+        prompt_alt_tokens_k=body.integer("prompt_alt_tokens_k", 0),
     )
     return op, last_n
 
@@ -234,6 +235,10 @@ def sampling_params(body: Body) -> t.SamplingParams:
         temperature=body.number("temperature", 1.0),
         top_k=body.integer("top_k", -1),
         top_p=body.number("top_p", 1.0),
+        min_p=body.number("min_p", 0.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0),
+        presence_penalty=body.number("presence_penalty", 0.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0),
     )
 
 

@@ -159,7 +159,8 @@ def forward_backward_output(out: t.ForwardBackwardOutput, metrics: dict[str, flo
 
 
 def sample_response(resp: t.SampleResponse, prompt_logprobs_last_n: int | None) -> bytes:
-    """Sequences as int32 tokens and float32 logprobs; prompt logprobs with NaN for "none" (and outside last_n)."""
+    """Sequences as int32 tokens and float32 logprobs; prompt logprobs with NaN for "none" (and outside last_n),
+    top-k prompt logprobs with Tinker's sentinel rows (also outside last_n), alternative prompt tokens."""
     msg = pb.SampleResponse()
     for seq in resp.sequences:
         out = msg.sequences.add()
@@ -172,4 +173,25 @@ def sample_response(resp: t.SampleResponse, prompt_logprobs_last_n: int | None) 
         if prompt_logprobs_last_n is not None:
             values[: max(0, values.size - prompt_logprobs_last_n)] = math.nan
         msg.prompt_logprobs = values.tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _topk(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs, prompt_logprobs_last_n)
+    if resp.prompt_alt_tokens is not None:
+        _dense(msg.prompt_alt_tokens.tokens, resp.prompt_alt_tokens.tokens)
+        _dense(msg.prompt_alt_tokens.logprobs, resp.prompt_alt_tokens.logprobs)
     return msg.SerializeToString()
+
+
+def _topk(msg: pb.TopkLogprobs, topk: t.TopkLogprobs, last_n: int | None) -> None:
+    ids, logprobs = topk.token_ids.to_numpy().astype("<i4"), topk.logprobs.to_numpy().astype("<f4")
+    if last_n is not None:
+        ids[: max(0, len(ids) - last_n)] = 0
+        logprobs[: max(0, len(ids) - last_n)] = t.TOPK_MASK_LOGPROB
+    msg.length, msg.k = ids.shape
+    msg.token_ids, msg.logprobs = ids.tobytes(), logprobs.tobytes()
+
+
+def _dense(msg: pb.Tensor, tensor: t.TensorData) -> None:
+    array = tensor.to_numpy()
+    msg.dtype = _OUT_DTYPES[tensor.dtype]
+    msg.shape.extend(array.shape)
+    msg.dense = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()

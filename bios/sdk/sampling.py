@@ -36,6 +36,8 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: t.SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_alt_tokens_k: int = 0,
     ) -> APIFuture[t.SampleResponse]:
         """`num_samples` continuations of `prompt`.
 
@@ -43,13 +45,18 @@ class SamplingClient:
         log-probabilities of the sampled tokens under the distribution actually sampled from (temperature
         applied, top-k/top-p renormalised); at temperature 1 without top-k/top-p they equal the model's own
         log-probabilities, which are what `forward` reports. Greedy (temperature 0) reports the model's
-        log-probability of the chosen token.
+        log-probability of the chosen token. Penalties and min_p (`SamplingParams`) shape that distribution too.
+
+        `topk_prompt_logprobs=k` adds the k most likely tokens at every prompt position (`TopkLogprobs`, first
+        row Tinker's sentinels); `prompt_alt_tokens_k=k` adds k draws at the request's temperature at every
+        prompt position after the first (`PromptAltTokens`).
         """
         params = sampling_params if sampling_params is not None else t.SamplingParams()
         with self._lock:
             seq_id = next(self._seq)
             request_id = ids.request_id(self.sampling_session_id, seq_id)
-            op = m.Sample(self.sampling_session_id, seq_id, prompt, num_samples, params, include_prompt_logprobs)
+            op = m.Sample(self.sampling_session_id, seq_id, prompt, num_samples, params, include_prompt_logprobs,
+                          topk_prompt_logprobs=topk_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 
@@ -59,9 +66,12 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: t.SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        prompt_alt_tokens_k: int = 0,
     ) -> t.SampleResponse:
         """Like `sample`, awaited once (as in the Tinker SDK): returns the response."""
-        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                 topk_prompt_logprobs, prompt_alt_tokens_k)
 
     def compute_logprobs(self, prompt: t.ModelInput) -> APIFuture[list[float | None]]:
         """log p(prompt[i] | prompt[:i]) for every position (None for the first)."""

@@ -320,7 +320,9 @@ class CycleExecutor:
                     self.pool.add_sampler(op.adapter_path, op.base_model, op.adapter_state)
                 adapter = self.pool.sampler(op.adapter_path).state if op.adapter_path is not None else None
                 base = self.pool.base(op.base_model)
-                spec.check_sample(op.prompt, op.num_samples, op.sampling_params, base.info)
+                spec.check_sample(op.prompt, op.num_samples, op.sampling_params, base.info,
+                                  topk_prompt_logprobs=op.topk_prompt_logprobs,
+                                  prompt_alt_tokens_k=op.prompt_alt_tokens_k)
                 reader = image_reader(base.info, base.image_processor)
                 expanded = reader.expand(op.prompt, "prompt") if reader is not None else None
             except Exception as exc:
@@ -328,7 +330,8 @@ class CycleExecutor:
                 continue
             prompt = op.prompt.to_ints() if expanded is None else expanded.tokens.tolist()
             sample_item = SampleItem(adapter, prompt, op.num_samples, op.sampling_params, op.prompt_logprobs,
-                                     None if expanded is None else expanded.images)
+                                     None if expanded is None else expanded.images, op.topk_prompt_logprobs,
+                                     op.prompt_alt_tokens_k)
             by_base.setdefault(op.base_model, []).append((item, sample_item))
         for base_model, group in by_base.items():
             base = self.pool.base(base_model)

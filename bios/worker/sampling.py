@@ -7,11 +7,9 @@ decode step per token runs all unfinished rows together, rows of one adapter con
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
 it is done, so long-running samples do not drag finished ones along.
 
-What a sampled token's logprob is: the log-probability of that token under the distribution it was actually
-drawn from, i.e. softmax(logits / temperature) restricted to the top-k / top-p set and renormalised. At
-temperature 1 with no top-k/top-p this is the model's own log-softmax, the number a training `forward`
-returns for the same token (importance-sampling losses rely on that). For greedy rows (temperature 0) it is
-the model's untempered log-softmax of the chosen token.
+How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
+`bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
+`bios.worker.prompt_scoring`. Both work row by row, so batched and single sampling agree.
 
 Randomness: each row draws one uniform per step from its own `torch.Generator`, seeded from (seed, sample
 index) and drawn up front, and picks a token by inverse CDF. A row's tokens therefore depend on its seed,
@@ -21,7 +19,6 @@ prompt and parameters only, never on what else shares the batch.
 from __future__ import annotations
 
 import hashlib
-import math
 import secrets
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,7 +32,9 @@ from bios import spec
 from bios.exceptions import BadRequestError
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
+from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
+from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
 from bios.worker.vision import ImageReader, RowImages
 
 if TYPE_CHECKING:
@@ -46,9 +45,6 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 256
 # A batch is compacted (finished rows dropped from the cache) once at most this fraction of it is alive.
 _COMPACT_WHEN_ALIVE = 0.75
-# Prompt logprobs go through the output head this many positions at a time, so a long prompt never
-# materialises [prompt, vocab] logits at once.
-_PROMPT_LOGPROB_CHUNK = 1024
 
 
 @dataclass
@@ -61,6 +57,8 @@ class SampleItem:
     params: SamplingParams
     prompt_logprobs: bool = False
     images: RowImages | None = None  # the prompt's images, in order
+    topk_prompt_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -73,8 +71,6 @@ def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | 
     if context is None:
         return DEFAULT_MAX_TOKENS
     return min(DEFAULT_MAX_TOKENS, context - prompt_len)
-
-
 
 
 def row_seed(seed: int, sample_index: int) -> int:
@@ -97,45 +93,26 @@ def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
 
 @dataclass
 class _Rows:
-    """Per-row sampling state of the live batch, as tensors so a decode step is a few batched ops.
-
-    `row` maps a batch position to its row in the output buffers; compaction indexes every field alike.
-    """
+    """Per-row decode state of the live batch, as tensors; `row` maps a batch position to its row in the output
+    buffers, and compaction indexes every field alike."""
 
     row: Tensor  # [B] int64
-    inv_temperature: Tensor  # [B] float32, 1 for greedy rows
-    greedy: Tensor  # [B] bool
-    top_k: Tensor  # [B] int64, 2**62 when off
-    top_p: Tensor  # [B] float32, 2 when off (keeps everything despite rounding in the cumulative sum)
+    choice: TokenChoice
     max_new: Tensor  # [B] int64
     position: Tensor  # [B] int64, position of the first sampled token (the prompt length)
     stop_ids: Tensor  # [B, S] int64, -1 padded
-    uniforms: Tensor  # [B, max steps] float32
     attention_mask: Tensor  # [B, padded prompt + max steps] int64
     adapters: list[AdapterState | None]
-    # Whether any row of the batch as built is greedy / sampled / top-k or top-p filtered (kept on compaction:
-    # a flag that is no longer needed only costs a little work).
-    any_greedy: bool
-    any_sampled: bool
-    any_filtered: bool
 
     def select(self, keep: Tensor) -> _Rows:
-        indices = keep.tolist()
         return _Rows(
             row=self.row[keep],
-            inv_temperature=self.inv_temperature[keep],
-            greedy=self.greedy[keep],
-            top_k=self.top_k[keep],
-            top_p=self.top_p[keep],
+            choice=self.choice.select(keep),
             max_new=self.max_new[keep],
             position=self.position[keep],
             stop_ids=self.stop_ids[keep],
-            uniforms=self.uniforms[keep],
             attention_mask=self.attention_mask[keep],
-            adapters=[self.adapters[i] for i in indices],
-            any_greedy=self.any_greedy,
-            any_sampled=self.any_sampled,
-            any_filtered=self.any_filtered,
+            adapters=[self.adapters[i] for i in keep.tolist()],
         )
 
 
@@ -150,58 +127,6 @@ def _adapter_segments(adapters: list[AdapterState | None]) -> list[tuple[int, in
         else:
             segments.append((index, index + 1, adapter))
     return segments
-
-
-# ------------------------------------------------------------------------------------------ token choice
-
-
-def _inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
-    """Token id drawn from each row's distribution `exp(logp)` with one uniform per row, shape [B, 1].
-
-    `right=True` returns the first index whose CDF exceeds the target, which never is a zero-probability
-    token as long as the target stays below the total (hence the clamp just under it).
-    """
-    cdf = logp.exp().cumsum(dim=-1)
-    total = cdf[:, -1]
-    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, target[:, None], right=True)
-    return index.clamp_(max=logp.shape[-1] - 1)
-
-
-def _kept_tokens(scaled: Tensor, rows: _Rows) -> Tensor:
-    """[B, V] mask of the top-k tokens, then of the smallest set of those whose renormalised mass reaches
-    top_p (the token that crosses top_p is kept). Rows with neither keep everything."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(sorted_logits.shape[-1], device=scaled.device)
-    keep_sorted = ranks[None, :] < rows.top_k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
-    keep_sorted &= (probs.cumsum(dim=-1) - probs) < rows.top_p[:, None]
-    return torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
-
-
-def _choose_tokens(logits: Tensor, rows: _Rows, step: int) -> tuple[Tensor, Tensor]:
-    """Next token and its logprob (see the module docstring) for every row of `logits` [B, V] (fp32).
-
-    The batch-wide flags of `rows` let the common cases skip work: no sort unless some row uses top-k or
-    top-p, no draw when every row is greedy. The draw always walks the vocabulary in id order, so a row's
-    token never depends on its batch-mates.
-    """
-    if rows.any_greedy:
-        greedy_tokens = logits.argmax(dim=-1, keepdim=True)
-        greedy_logp = logits.gather(1, greedy_tokens) - torch.logsumexp(logits, dim=-1, keepdim=True)
-        if not rows.any_sampled:
-            return greedy_tokens.squeeze(1), greedy_logp.squeeze(1)
-    scaled = logits * rows.inv_temperature[:, None]
-    if rows.any_filtered:
-        scaled = scaled.masked_fill(~_kept_tokens(scaled, rows), -math.inf)
-    logp = torch.log_softmax(scaled, dim=-1)
-    tokens = _inverse_cdf(logp, rows.uniforms[:, step])
-    token_logp = logp.gather(1, tokens)
-    if rows.any_greedy:
-        greedy = rows.greedy[:, None]
-        tokens = torch.where(greedy, greedy_tokens, tokens)
-        token_logp = torch.where(greedy, greedy_logp, token_logp)
-    return tokens.squeeze(1), token_logp.squeeze(1)
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -229,7 +154,9 @@ def generate(
     limits = spec.Limits(getattr(config, "name_or_path", "") or "this model", vocab_size, context)
     for index, item in enumerate(items):
         try:
-            spec.check_sample(item.prompt, item.num_samples, item.params, limits)
+            spec.check_sample(item.prompt, item.num_samples, item.params, limits,
+                              topk_prompt_logprobs=item.topk_prompt_logprobs,
+                              prompt_alt_tokens_k=item.prompt_alt_tokens_k)
             if spec.stop_strings(item.params.stop) and tokenizer is None:
                 raise BadRequestError("stop strings need a tokenizer to decode text", field="sampling_params.stop")
         except BadRequestError as error:
@@ -260,30 +187,31 @@ def _generate(
 ) -> list[SampleResponse]:
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
-    cache, logits, prompt_mask, prompt_logprobs, rope_deltas = _prefill(model, ordered, reader)
+    seeds = [item.params.seed if item.params.seed is not None else secrets.randbits(63) for item in ordered]
+    cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, seeds, reader)
     # One row per sample; a request's samples share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
     expand = torch.repeat_interleave(torch.arange(len(ordered), device=logits.device), counts)
     cache.reorder_cache(expand)
     lengths = [len(item.prompt) for item in ordered]
-    rows, string_stops = _build_rows(ordered, prompt_mask[expand], lengths, eos_token_id, context, logits.device)
+    rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
     tokens, logprobs, finished_at, stopped = _decode(
         model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
     )
     return _responses(
-        items, order, tokens, logprobs, finished_at, stopped, {order[i]: lp for i, lp in prompt_logprobs.items()}
+        items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}
     )
 
 
 def _prefill(
-    model: nn.Module, ordered: list[SampleItem], reader: ImageReader | None
-) -> tuple[DynamicCache, Tensor, Tensor, dict[int, list[float | None]], Tensor | None]:
+    model: nn.Module, ordered: list[SampleItem], seeds: list[int], reader: ImageReader | None
+) -> tuple[DynamicCache, Tensor, Tensor, dict[int, PromptScores], Tensor | None]:
     """Run each request's prompt once, left padded so every row's last position is real.
 
     Returns the cache, the next-token logits [requests, V], the prompt attention mask, the prompt
-    logprobs of the requests that asked for them (by position in `ordered`) and, for a vision-language
+    scores of the requests that asked for any (by position in `ordered`) and, for a vision-language
     model, each request's rope delta (its next position minus its prompt length).
     """
     device = model.get_input_embeddings().weight.device
@@ -309,12 +237,13 @@ def _prefill(
             **extra,
         ).last_hidden_state
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
-    prompt_logprobs = {
-        i: _prompt_logprobs(model, hidden[i, padded - lengths[i] :], item)
-        for i, item in enumerate(ordered)
-        if item.prompt_logprobs
-    }
-    return cache, logits, prompt_mask, prompt_logprobs, rope_deltas
+    scores = {}
+    for i, (item, seed) in enumerate(zip(ordered, seeds)):
+        questions = PromptQuestions(item.prompt_logprobs, item.topk_prompt_logprobs, item.prompt_alt_tokens_k,
+                                    item.params, seed)
+        if questions.any:
+            scores[i] = score_prompt(model, hidden[i, padded - lengths[i] :], item.prompt, item.adapter, questions)
+    return cache, logits, prompt_mask, scores, rope_deltas
 
 
 def _decode(
@@ -332,7 +261,7 @@ def _decode(
     whether it stopped on a stop condition (else it reached max_tokens).
     """
     lm_head = model.get_output_embeddings()
-    total_rows, steps = rows.uniforms.shape
+    total_rows, steps = rows.choice.uniforms.shape
     device = logits.device
     out_tokens = torch.zeros(total_rows, steps, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(total_rows, steps, dtype=torch.float32, device=device)
@@ -344,7 +273,8 @@ def _decode(
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters)))
         for step in range(steps):
-            tokens, token_logp = _choose_tokens(logits, rows, step)
+            tokens, token_logp = rows.choice.choose(logits, step)
+            rows.choice.record(tokens)
             out_tokens[rows.row, step] = tokens
             out_logprobs[rows.row, step] = token_logp
             hit_stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
@@ -378,63 +308,47 @@ def _decode(
 
 def _build_rows(
     ordered: list[SampleItem],
+    seeds: list[int],
     prompt_mask: Tensor,
     lengths: list[int],
     eos_token_id: int | None,
     context: int,
-    device: torch.device,
+    logits: Tensor,
 ) -> tuple[_Rows, dict[int, list[str]]]:
     """Per-row tensors for the decode loop, and the stop strings of rows that have any (by row)."""
-    no_top_k = 2**62
-    inv_temperature, greedy, top_k, top_p, max_new, position, stop_ids, adapters = [], [], [], [], [], [], [], []
-    uniforms: list[Tensor] = []
+    specs: list[RowSpec] = []
+    max_new, position, stop_ids, adapters = [], [], [], []
     string_stops: dict[int, list[str]] = {}
-    any_filtered = False
-    for item, length in zip(ordered, lengths):
+    for item, seed, length in zip(ordered, seeds, lengths):
         params = item.params
         new_tokens = resolved_max_tokens(length, params, context)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        is_greedy = params.temperature == 0
-        any_filtered |= not is_greedy and (params.top_k != -1 or params.top_p < 1)
         strings = spec.stop_strings(params.stop)
         for sample_index in range(item.num_samples):
             if strings:
-                string_stops[len(greedy)] = strings
-            greedy.append(is_greedy)
-            inv_temperature.append(1.0 if is_greedy else 1.0 / params.temperature)
-            top_k.append(no_top_k if params.top_k == -1 else params.top_k)
-            top_p.append(2.0 if params.top_p >= 1 else params.top_p)
+                string_stops[len(specs)] = strings
+            uniforms = torch.zeros(0)
+            if params.temperature != 0:
+                generator = torch.Generator().manual_seed(row_seed(seed, sample_index))
+                uniforms = torch.rand(new_tokens, generator=generator)
+            specs.append(RowSpec(params, uniforms, item.prompt))
             max_new.append(new_tokens)
             position.append(length)
             stop_ids.append(_stop_token_ids(params.stop, eos_token_id))
             adapters.append(item.adapter)
-            if not is_greedy:
-                generator = torch.Generator().manual_seed(row_seed(seed, sample_index))
-                uniforms.append(torch.rand(new_tokens, generator=generator))
-            else:
-                uniforms.append(torch.zeros(0))
+    device = logits.device
     steps = max(max_new)
-    uniform_table = torch.zeros(len(greedy), steps, dtype=torch.float32)
-    stop_table = torch.full((len(greedy), max(len(ids) for ids in stop_ids)), -1, dtype=torch.int64)
-    for row, (row_uniforms, ids) in enumerate(zip(uniforms, stop_ids)):
-        uniform_table[row, : row_uniforms.numel()] = row_uniforms
+    stop_table = torch.full((len(specs), max(len(ids) for ids in stop_ids)), -1, dtype=torch.int64)
+    for row, ids in enumerate(stop_ids):
         stop_table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    attention_mask = torch.cat([prompt_mask, torch.ones(len(greedy), steps, dtype=torch.int64, device=device)], dim=1)
+    choice = token_choice(specs, steps, logits.shape[-1], device)
     rows = _Rows(
-        row=torch.arange(len(greedy), device=device),
-        inv_temperature=torch.tensor(inv_temperature, dtype=torch.float32, device=device),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        row=torch.arange(len(specs), device=device),
+        choice=choice,
         max_new=torch.tensor(max_new, dtype=torch.int64, device=device),
         position=torch.tensor(position, dtype=torch.int64, device=device),
         stop_ids=stop_table.to(device),
-        uniforms=uniform_table.to(device),
-        attention_mask=attention_mask,
+        attention_mask=torch.cat([prompt_mask, torch.ones(len(specs), steps, dtype=torch.int64, device=device)], dim=1),
         adapters=adapters,
-        any_greedy=any(greedy),
-        any_sampled=not all(greedy),
-        any_filtered=any_filtered,
     )
     return rows, string_stops
 
@@ -465,22 +379,6 @@ def _string_stop_hits(
     return hits
 
 
-def _prompt_logprobs(model: nn.Module, hidden: Tensor, item: SampleItem) -> list[float | None]:
-    """[None, log p(prompt[1] | prompt[:1]), ...] from the prompt's final hidden states [len, H]."""
-    lm_head = model.get_output_embeddings()
-    targets = torch.tensor(item.prompt[1:], dtype=torch.int64, device=hidden.device)
-    values: list[float | None] = [None]
-    for start in range(0, targets.numel(), _PROMPT_LOGPROB_CHUNK):
-        chunk = hidden[start : start + min(_PROMPT_LOGPROB_CHUNK, targets.numel() - start)]
-        segments = [] if item.adapter is None else [(0, chunk.shape[0], item.adapter)]
-        with active_adapters(model, segments):
-            logits = lm_head(chunk).float()
-        chunk_targets = targets[start : start + chunk.shape[0]]
-        logp = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        values.extend(logp.tolist())
-    return values
-
-
 def _responses(
     items: list[SampleItem],
     order: list[int],
@@ -488,7 +386,7 @@ def _responses(
     out_logprobs: Tensor,
     finished_at: Tensor,
     stopped: Tensor,
-    prompt_logprobs: dict[int, list[float | None]],
+    prompt_scores: dict[int, PromptScores],
 ) -> list[SampleResponse]:
     """Rows back into one response per item, in the caller's item order."""
     tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
@@ -507,4 +405,13 @@ def _responses(
                 )
             )
             row += 1
-    return [SampleResponse(sequences=sequences[i], prompt_logprobs=prompt_logprobs.get(i)) for i in range(len(items))]
+    none = PromptScores()
+    return [
+        SampleResponse(
+            sequences=sequences[i],
+            prompt_logprobs=prompt_scores.get(i, none).logprobs,
+            topk_prompt_logprobs=prompt_scores.get(i, none).topk,
+            prompt_alt_tokens=prompt_scores.get(i, none).alt_tokens,
+        )
+        for i in range(len(items))
+    ]
