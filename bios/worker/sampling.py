@@ -35,6 +35,7 @@ from bios.worker.adapter import AdapterState
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
+from bios.worker.stopping import stop_token_ids, string_stop_hits
 from bios.worker.vision import ImageReader, RowImages
 
 if TYPE_CHECKING:
@@ -78,17 +79,6 @@ def row_seed(seed: int, sample_index: int) -> int:
     indices give unrelated streams."""
     digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & spec.MAX_SEED
-
-
-def _stop_token_ids(stop: object, eos_token_id: int | None) -> list[int]:
-    """EOS always stops, as in the Tinker API, except with `stop=[]`, which never stops early. Stop token ids
-    and stop strings add to EOS."""
-    if isinstance(stop, (list, tuple)) and not stop:
-        return []
-    eos = [] if eos_token_id is None else [eos_token_id]
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, int) for s in stop):
-        return eos + [int(s) for s in stop if int(s) not in eos]
-    return eos
 
 
 @dataclass
@@ -279,7 +269,7 @@ def _decode(
             out_logprobs[rows.row, step] = token_logp
             hit_stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
             if generated:
-                hit_stop |= _string_stop_hits(tokenizer, tokens, rows, alive, string_stops, generated)
+                hit_stop |= string_stop_hits(tokenizer, tokens, rows.row, alive, string_stops, generated)
             new_stop = alive & hit_stop
             finished = new_stop | (alive & (rows.max_new <= step + 1))
             alive = alive & ~finished
@@ -333,7 +323,7 @@ def _build_rows(
             specs.append(RowSpec(params, uniforms, item.prompt))
             max_new.append(new_tokens)
             position.append(length)
-            stop_ids.append(_stop_token_ids(params.stop, eos_token_id))
+            stop_ids.append(stop_token_ids(params.stop, eos_token_id))
             adapters.append(item.adapter)
     device = logits.device
     steps = max(max_new)
@@ -351,32 +341,6 @@ def _build_rows(
         adapters=adapters,
     )
     return rows, string_stops
-
-
-def _string_stop_hits(
-    tokenizer: PreTrainedTokenizerBase | None,
-    tokens: Tensor,
-    rows: _Rows,
-    alive: Tensor,
-    string_stops: dict[int, list[str]],
-    generated: dict[int, list[int]],
-) -> Tensor:
-    """True for live rows whose decoded generated text now contains one of their stop strings.
-
-    The whole generated text is decoded each step (not just the new token) because a token may complete a
-    multi-byte character or a stop string spanning several tokens; a stop string present now and not
-    before was completed by this step's token.
-    """
-    hits = torch.zeros_like(alive)
-    row_list, token_list, alive_list = rows.row.tolist(), tokens.tolist(), alive.tolist()
-    for position, (row, token, is_alive) in enumerate(zip(row_list, token_list, alive_list)):
-        if not is_alive or row not in string_stops:
-            continue
-        generated[row].append(token)
-        text = tokenizer.decode(generated[row])
-        if any(stop in text for stop in string_stops[row]):
-            hits[position] = True
-    return hits
 
 
 def _responses(
