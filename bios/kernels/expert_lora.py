@@ -4,7 +4,8 @@ A MoE layer's (token, expert) pairs arrive sorted into blocks, one per adapter i
 no adapter trains, and inside each block by expert. Each non-empty (block, expert) group then runs one matmul
 with its expert's frozen weight and, when its block has an adapter, the two small matmuls of that expert's
 LoRA: `x W_eᵀ + b_e + scale (x A_eᵀ) B_eᵀ`. `W + BA` is never formed, and the frozen weights get no gradient
-work. Backward keeps only `x` and the rank-sized `x A_eᵀ`, like `bios.kernels.lora`.
+work. Backward keeps only `x` and the rank-sized `x A_eᵀ`, like `bios.kernels.lora`. On CUDA, where every row
+is 16-byte aligned, each block's three products run as torch grouped GEMMs instead of a loop over experts.
 """
 
 from __future__ import annotations
@@ -35,11 +36,52 @@ def expert_linear(
         raise ValueError(f"expert_linear: counts cover {sum(map(sum, counts))} rows, x has {x.shape[0]}")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("expert_linear: the experts' base weights must be frozen (LoRA trains only A and B)")
+    if _grouped_mm_applies(x, weight, factors):
+        return _grouped_expert_linear(x, weight, bias, counts, factors, transposed=transposed)
     lora = tuple(entry is not None for entry in factors)
     tensors = [t for entry in factors if entry is not None for t in entry[:2]]
     scales = tuple(float(entry[2]) for entry in factors if entry is not None)
     shape = tuple(tuple(block) for block in counts)
     return _ExpertLinear.apply(x, weight, bias, shape, lora, scales, transposed, *tensors)
+
+
+def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor, factors: list[ExpertFactors | None]) -> bool:
+    """Whether torch's grouped GEMM can run this: on CUDA, with every row stride a multiple of 16 bytes."""
+    if not x.is_cuda or not hasattr(torch.nn.functional, "grouped_mm"):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    align = 16 // x.element_size()
+    dims = [*weight.shape[1:], *(entry[0].shape[1] for entry in factors if entry is not None)]
+    return all(dim % align == 0 for dim in dims)
+
+
+def _grouped_expert_linear(x, weight, bias, counts, factors, *, transposed):
+    """`expert_linear` through `torch.nn.functional.grouped_mm` (one GEMM per block and matrix, autograd's
+    backward), for CUDA; the same arithmetic as the loop."""
+    grouped_mm = torch.nn.functional.grouped_mm
+    weight_t = weight if transposed else weight.transpose(1, 2)  # [E, in, out]
+    pieces = []
+    start = 0
+    for block, entry in zip(counts, factors):
+        rows = sum(block)
+        if not rows:
+            continue
+        xs = x[start : start + rows]
+        offsets = torch.tensor(block, device=x.device).cumsum(0).to(torch.int32)
+        y = grouped_mm(xs, weight_t, offs=offsets)
+        if bias is not None:
+            experts = torch.repeat_interleave(torch.arange(len(block), device=x.device), torch.tensor(block, device=x.device))
+            y = y + bias[experts]
+        if entry is not None:
+            lora_a, lora_b, scale = entry
+            xa = grouped_mm(xs, lora_a.to(x.dtype).transpose(1, 2), offs=offsets)
+            y = y + scale * grouped_mm(xa, lora_b.to(x.dtype).transpose(1, 2), offs=offsets)
+        pieces.append(y)
+        start += rows
+    if not pieces:
+        return x.new_zeros(0, weight_t.shape[2])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _groups(counts, lora):
