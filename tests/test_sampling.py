@@ -192,6 +192,31 @@ def test_same_seed_same_tokens_alone_or_batched_and_different_seeds_differ(model
     assert unseeded.sequences[0].tokens != unseeded.sequences[1].tokens
 
 
+def test_requests_with_one_prompt_share_its_prefill_and_sample_as_if_alone(model, tokenizer):
+    adapter = perturbed_adapter(model, "shared-prefix", 5)
+
+    def item(prompt, seed, lora=None, logprobs=False):
+        return SampleItem(lora, prompt, 2, SamplingParams(max_tokens=10, seed=seed, stop=[]), logprobs)
+
+    items = [item(PROMPTS[1], 1, logprobs=True), item(PROMPTS[1], 2), item(PROMPTS[0], 3),
+             item(PROMPTS[1], 4, adapter), item(PROMPTS[1], 5, logprobs=True)]
+    prefill_rows = []
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    try:
+        together = run(model, tokenizer, items)
+    finally:
+        hook.remove()
+    # one prefill of three rows: PROMPTS[1] with the base model, PROMPTS[0], PROMPTS[1] with the adapter
+    assert prefill_rows == [3]
+    for got, request in zip(together, items):
+        alone = run(model, tokenizer, [request])[0]
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
+        assert got.prompt_logprobs == alone.prompt_logprobs
+    assert together[0].sequences[0].tokens != together[1].sequences[0].tokens  # own seeds, own draws
+
+
 # ------------------------------------------------------------------------------------------ stopping
 
 

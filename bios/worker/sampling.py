@@ -158,6 +158,14 @@ def generate(
         return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images)
 
 
+def _shared_prompts(ordered: list[SampleItem]) -> list[int]:
+    """For each request, the index of the first request with the same prompt and adapter (and no images): its
+    prompt is prefilled once and every such request decodes from that one cache (RL sends many per cycle)."""
+    first: dict[tuple, int] = {}
+    return [i if item.images else first.setdefault((tuple(item.prompt), id(item.adapter)), i)
+            for i, item in enumerate(ordered)]
+
+
 def _grouped_order(items: list[SampleItem]) -> list[int]:
     """Item indices with items of one adapter together (in order of first appearance), stable otherwise."""
     first_seen: dict[int, int] = {}
@@ -178,10 +186,14 @@ def _generate(
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
     seeds = [item.params.seed if item.params.seed is not None else secrets.randbits(63) for item in ordered]
-    cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, seeds, reader)
-    # One row per sample; a request's samples share its prefilled cache.
+    shared = _shared_prompts(ordered)
+    prefilled = sorted(set(shared))
+    cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, prefilled, shared, seeds, reader)
+    # One row per sample; the samples of every request with one prompt share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
-    expand = torch.repeat_interleave(torch.arange(len(ordered), device=logits.device), counts)
+    row_of = {request: row for row, request in enumerate(prefilled)}
+    source = torch.tensor([row_of[i] for i in shared], device=logits.device)
+    expand = torch.repeat_interleave(source, counts)
     cache.reorder_cache(expand)
     lengths = [len(item.prompt) for item in ordered]
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
@@ -196,15 +208,19 @@ def _generate(
 
 
 def _prefill(
-    model: nn.Module, ordered: list[SampleItem], seeds: list[int], reader: ImageReader | None
+    model: nn.Module, requests: list[SampleItem], prefilled: list[int], shared: list[int], seeds: list[int],
+    reader: ImageReader | None,
 ) -> tuple[DynamicCache, Tensor, Tensor, dict[int, PromptScores], Tensor | None]:
-    """Run each request's prompt once, left padded so every row's last position is real.
+    """Run the prompts of the requests `prefilled` (indices into `requests`) once each, left padded so every
+    row's last position is real; request i reads the row of its prompt's first request, `shared[i]`.
 
-    Returns the cache, the next-token logits [requests, V], the prompt attention mask, the prompt
-    scores of the requests that asked for any (by position in `ordered`) and, for a vision-language
-    model, each request's rope delta (its next position minus its prompt length).
+    Returns the cache, the next-token logits, the prompt attention mask and, for a vision-language model, the
+    rope deltas (its next position minus its prompt length), each with one row per prefilled prompt, and the
+    prompt scores of the requests that asked for any (by position in `requests`).
     """
     device = model.get_input_embeddings().weight.device
+    ordered = [requests[i] for i in prefilled]
+    row_of = {request: row for row, request in enumerate(prefilled)}
     lengths = [len(item.prompt) for item in ordered]
     padded = max(lengths)
     input_ids = torch.zeros(len(ordered), padded, dtype=torch.int64)
@@ -228,11 +244,13 @@ def _prefill(
         ).last_hidden_state
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
     scores = {}
-    for i, (item, seed) in enumerate(zip(ordered, seeds)):
+    for i, (item, seed) in enumerate(zip(requests, seeds)):
         questions = PromptQuestions(item.prompt_logprobs, item.topk_prompt_logprobs, item.prompt_alt_tokens_k,
                                     item.params, seed)
         if questions.any:
-            scores[i] = score_prompt(model, hidden[i, padded - lengths[i] :], item.prompt, item.adapter, questions)
+            row = row_of[shared[i]]
+            scores[i] = score_prompt(model, hidden[row, padded - lengths[row] :], item.prompt, item.adapter,
+                                     questions)
     return cache, logits, prompt_mask, scores, rope_deltas
 
 
