@@ -1,4 +1,5 @@
-"""Checkpoint paths: `bios://<run_id>/weights/<name>` (adapter + optimizer) and `.../sampler_weights/<name>`.
+"""Checkpoint paths: `bios://<run_id>/weights/<name>` (adapter + optimizer), `.../sampler_weights/<name>` (the
+adapter, for sampling) and `.../external_weights/<name>` (the adapter, for download: Tinker's save_weights_external).
 
 `tinker://` paths of the same shape are accepted too, so Tinker code and the HTTP gateway can pass theirs.
 """
@@ -11,7 +12,8 @@ from typing import Literal
 
 from bios.exceptions import BadRequestError
 
-KINDS = ("weights", "sampler_weights")
+Kind = Literal["weights", "sampler_weights", "external_weights"]
+KINDS = ("weights", "sampler_weights", "external_weights")
 SCHEMES = ("bios", "tinker")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -19,7 +21,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass(frozen=True)
 class CheckpointPath:
     run_id: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Kind
     name: str
 
     @classmethod
@@ -28,8 +30,8 @@ class CheckpointPath:
         parts = rest.split("/")
         if not sep or scheme not in SCHEMES or len(parts) != 3 or not all(parts):
             raise BadRequestError(
-                f"malformed checkpoint path {path!r}; expected bios://<run_id>/weights/<name> or "
-                "bios://<run_id>/sampler_weights/<name>",
+                f"malformed checkpoint path {path!r}; expected bios://<run_id>/<kind>/<name> with kind "
+                f"{', '.join(KINDS)}",
                 field=field,
             )
         run_id, kind, name = parts

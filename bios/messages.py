@@ -111,7 +111,7 @@ class SaveWeights:
     model_id: str
     seq_id: int
     name: str | None
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     overwrite: bool = False
     path: str = ""
 

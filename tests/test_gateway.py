@@ -25,7 +25,8 @@ from bios.exceptions import RateLimitError
 from bios.gateway import json_wire, proto
 from bios.coordinator.watchdog import NO_WORKER
 from bios.gateway.futures import NOTICE_FRESH_S, Promises, json_reply
-from bios.gateway.server import Gateway, GatewayConfig, error_response
+from bios.gateway.http_io import error_response
+from bios.gateway.server import Gateway, GatewayConfig
 
 KEY = "tml-test"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Bios speaks the Tinker wire protocol."]
@@ -348,6 +349,7 @@ def test_metric_keys_get_exactly_one_colon_and_a_known_reduction():
 async def test_backpressure_is_a_429_with_retry_after():
     class NeverSubmitted:
         front_door = None  # never reached: the gateway refuses before submitting
+        keys = labels = usage = audit = None  # a keyless cluster; no route that reads them is called
 
         def attach_local_client(self, name, on_done):
             return b"gateway"

@@ -20,7 +20,7 @@ from .checkpoints import CheckpointStore
 from .disk import is_disk_full
 from .store import Store, StoredCheckpoint, StoredRun
 
-_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 class Catalog:

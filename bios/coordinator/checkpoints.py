@@ -28,6 +28,7 @@ class CheckpointStore(Protocol):
     def size_of(self, state: CheckpointState) -> int: ...
     def get(self, path: CheckpointPath) -> CheckpointState: ...
     def delete(self, path: CheckpointPath) -> None: ...
+    def files(self, path: CheckpointPath) -> list[Path]: ...
 
 
 class DirectoryCheckpointStore:
@@ -73,6 +74,11 @@ class DirectoryCheckpointStore:
             optimizer=load_file(str(optimizer_file)) if optimizer_file.exists() else None,
             metadata=json.loads((folder / "metadata.json").read_text()),
         )
+
+    def files(self, path: CheckpointPath) -> list[Path]:
+        """The checkpoint's files (what an archive download serves)."""
+        folder = self._dir(path)
+        return sorted(f for f in folder.iterdir() if f.is_file()) if folder.is_dir() else []
 
     def delete(self, path: CheckpointPath) -> None:
         folder = self._dir(path)

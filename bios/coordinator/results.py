@@ -23,6 +23,7 @@ from .history import RunHistory, StepRecorder
 from .metrics import CoordinatorMetrics
 from .store import Store, StoredRequest
 from .trace import RequestTimeline
+from .usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ResultRouter:
         self.metrics = metrics
         self.steps = StepRecorder(RunHistory(store.db))
         self.timeline = RequestTimeline(store.db)
+        self.usage = Usage(store)
         self.waiters: dict[str, set[bytes]] = {}
 
     def wait(self, request_id: str, peer: bytes) -> None:
@@ -83,6 +85,8 @@ class ResultRouter:
             log.error("the outcome of %s is not in the request log (a coordinator restarted before space is freed "
                       "would run it again): %s", request_id, full.message)
         self.steps.record(request_id, op, result, error, cycle_id)
+        if error is None:
+            self.usage.record(op, result)
         self.timeline.finished(request_id, cycle_id)
         self.ledger.release(request_id)
         for peer in self.waiters.pop(request_id, ()):

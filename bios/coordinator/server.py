@@ -37,13 +37,16 @@ from .clock import CycleClock
 from .cycles import CycleRunner
 from .membership import Membership
 from .metrics import CoordinatorMetrics
+from .audit import AuditLog
 from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
 from .front_door import LOCAL_OWNER, FrontDoor
 from .queries import Queries
 from .mailbox import PlanDescriptions, QueueDepth
 from .scheduler import Scheduler, SchedulerConfig
+from .labels import Labels
 from .store import Store
+from .usage import Usage
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,9 @@ class Coordinator:
         self.ledger = QuotaLedger(config.quotas)
         self.store = Store(config.state_dir)
         self.catalog = Catalog(self.store, DirectoryCheckpointStore(config.state_dir / "checkpoints"))
+        self.usage = Usage(self.store)  # per-key accounting and the audit log start with the state dir
+        self.audit = AuditLog(self.store.db)
+        self.labels = Labels(self.store)
         self.clock = CycleClock(config.cycle_s)
         self.membership = Membership(config.heartbeat_timeout_s)
         self.metrics = CoordinatorMetrics()

@@ -67,6 +67,7 @@ class Promises:
         self._pending = 0
         self._rendering: set[asyncio.Task[None]] = set()
         self._closed = False
+        self.listeners: list[Callable[[Promise], None]] = []  # told of every promise as it settles
 
     def expect(self, request_id: str, owner: str, render: Render) -> Promise:
         """The promise of `request_id`, created unless it exists (a resubmitted request keeps its promise)."""
@@ -85,6 +86,15 @@ class Promises:
         if promise is not None and promise.reply is None:
             del self._promises[request_id]
             self._pending -= 1
+
+    def cancel(self, request_id: str, owner: str) -> bool:
+        """Stop holding `owner`'s unfinished request for a client: its result, when it comes, is dropped. The
+        coordinator still runs it (an accepted request is not aborted). False if there is nothing to cancel."""
+        promise = self._promises.get(request_id)
+        if promise is None or promise.owner != owner or promise.reply is not None:
+            return False
+        self.forget(request_id)
+        return True
 
     def deliver(self, done: m.RequestDone) -> None:
         """A result pushed by the coordinator; rendering runs as a task so the push never waits on it."""
@@ -116,8 +126,8 @@ class Promises:
     def fail(self, request_id: str, error: RemoteError) -> None:
         promise = self._promises.get(request_id)
         if promise is not None and promise.reply is None:
-            self.settle(request_id, json_reply(json_wire.failure(error)))
             promise.failed = True
+            self.settle(request_id, json_reply(json_wire.failure(error)))
 
     def settle(self, request_id: str, reply: Reply) -> None:
         promise = self._promises.get(request_id)
@@ -125,6 +135,8 @@ class Promises:
             promise.reply = reply
             promise.ready.set()
             self._pending -= 1
+            for listener in self.listeners:
+                listener(promise)
 
     def waiting_reason(self, request_id: str) -> str | None:
         """Why a pending request waits, if the coordinator said so lately: it repeats a reason that still holds

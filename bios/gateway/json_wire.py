@@ -150,6 +150,15 @@ def save_weights(body: Body) -> m.SaveWeights:
                          overwrite=body.flag("overwrite", False))
 
 
+def save_weights_external(body: Body) -> m.SaveWeights:
+    """An external save is the adapter alone (safetensors under PEFT key names, plus metadata.json) at
+    `.../external_weights/<name>`, for download; encrypting it (`age_encryption_recipients`) is refused."""
+    if body.data.get("age_encryption_recipients"):
+        raise BadRequestError("Bios does not encrypt exported weights (age_encryption_recipients); save without it "
+                              "and encrypt the downloaded files", field="age_encryption_recipients")
+    return m.SaveWeights(body.text("model_id"), _seq_id(body), body.text("path"), "external_weights")
+
+
 def save_weights_for_sampler(body: Body) -> tuple[m.SaveWeights, int | None]:
     """A named save (`path`), or an unnamed one whose result opens sampling session `sampling_session_seq_id`."""
     name = body.text("path", None)
@@ -334,6 +343,6 @@ def capabilities(resp: t.GetServerCapabilitiesResponse) -> dict[str, Any]:
 
 
 def checkpoint_path(run_id: str, checkpoint_id: str) -> str:
-    """The path of checkpoint `weights/<name>` (or `sampler_weights/<name>`) of a run, checked."""
+    """The path of checkpoint `<kind>/<name>` of a run, checked."""
     kind, _, name = checkpoint_id.partition("/")
     return str(CheckpointPath.parse(f"tinker://{run_id}/{kind}/{name}", field="checkpoint_id"))

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
-import math
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,32 +19,26 @@ from typing import Any
 
 from aiohttp import web
 
+from bios import ids
 from bios import messages as m
 from bios import types as t
-from bios.actors.actor import ActorStopped
 from bios.actors.remote import RemoteError
-from bios.checkpoint_path import CheckpointPath
-from bios import ids
 from bios.coordinator.server import Coordinator
+from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError
 from bios.security.listen import InsecureListenError
-from bios.exceptions import (
-    AuthenticationError,
-    BadRequestError,
-    BiosAPIError,
-    NotFoundError,
-    RateLimitError,
-)
 
 from . import json_wire, proto
 from .console import Console
 from .futures import PROTOBUF, Promises, Reply, json_reply
-from .http_errors import http_status
+from .http_io import API, CALLER, OWNER, errors, http_error, identify, json_body
 from .openai_api import OpenAICompat
+from .routes_account import AccountRoutes
+from .routes_checkpoints import CheckpointRoutes, check_ttl
+from .routes_futures import FutureRoutes
+from .routes_sessions import SessionRoutes
+from .signed_urls import SignedUrls
 
 log = logging.getLogger(__name__)
-
-API = "/api/v1"
-OWNER = web.RequestKey("owner", str)  # who a request acts for, from its X-API-Key
 
 
 @dataclass(frozen=True)
@@ -66,74 +58,6 @@ class GatewayConfig:
             poll_s=float(env.get("BIOS_GATEWAY_POLL_S", default.poll_s)),
             max_pending=int(env.get("BIOS_GATEWAY_MAX_PENDING", default.max_pending)),
         )
-
-
-def error_response(exc: BiosAPIError) -> web.Response:
-    """A JSON error body for every 4xx/5xx (a body-less 400 makes the SDK reconnect and retry)."""
-    name = type(exc).__name__
-    status = http_status(exc)
-    headers = {}
-    if isinstance(exc, RateLimitError):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    body = {"detail": exc.message, "type": name, "field": exc.field}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _http_error(status: int, message: str) -> web.Response:
-    return web.json_response({"detail": message, "type": "HTTPError", "field": None}, status=status)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                  ) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _http_error(exc.status, exc.text or exc.reason)
-    except BiosAPIError as exc:
-        return error_response(exc)
-    except ActorStopped:
-        return _http_error(503, "the coordinator is shutting down; retry against the restarted cluster")
-    except Exception as exc:
-        log.exception("gateway error on %s %s", request.method, request.path)
-        return _http_error(500, f"internal error in the Bios gateway: {type(exc).__name__}: {exc}")
-
-
-def owner_of(api_key: str | None, authenticate: Callable[[str | None], str]) -> str:
-    """The owner a request's X-API-Key stands for: the Tinker SDK sends `tml-` keys, so a Bios key arrives as
-    `tml-bios_...` and the coordinator's key store decides. Without keys every `tml-` key is the local owner,
-    as every native client is; a missing or malformed key is refused.
-    """
-    if not api_key or not api_key.startswith("tml-"):
-        raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
-                                  "ServiceClient or set TINKER_API_KEY=tml-...")
-    return authenticate(api_key)
-
-
-async def _json_body(request: web.Request) -> json_wire.Body:
-    if request.content_type == PROTOBUF:
-        raise web.HTTPUnsupportedMediaType(text=f"{request.path} takes a JSON body (Content-Type: application/json)")
-    raw = await request.read()
-    try:
-        data = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise BadRequestError(f"the body is not valid JSON: {exc}", field="body") from None
-    return json_wire.Body(data)
-
-
-def _query_int(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequestError(f"query parameter {name} must be an integer, got {raw!r}", field=name) from None
-    if value < 0:
-        raise BadRequestError(f"query parameter {name} must be >= 0, got {value}", field=name)
-    return value
 
 
 def _model_id(op: Any) -> str:
@@ -159,7 +83,11 @@ class Gateway:
         self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
         self.openai = OpenAICompat(coordinator)  # /v1/...: OpenAI-compatible inference
         self.console = Console(coordinator)  # / and /console/...: the read-only web console
-        self.samplers: dict[str, list[str]] = {}  # session id -> sampling sessions opened through this gateway
+        urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
+        self.sessions = SessionRoutes(coordinator, urls)
+        self.checkpoints = CheckpointRoutes(coordinator, urls)
+        self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator),
+                         FutureRoutes(self.promises, self.config.poll_s), self.openai, self.console]
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -170,20 +98,15 @@ class Gateway:
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.path.startswith(f"{API}/") and request.path != f"{API}/healthz":
-            request[OWNER] = owner_of(request.headers.get("X-API-Key"), self.coordinator.authenticate)
+            caller = identify(request.headers.get("X-API-Key"), self.coordinator)
+            request[CALLER], request[OWNER] = caller, caller.owner
         return await handler(request)
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[_errors, self._authenticate], client_max_size=self.config.max_body_bytes)
-        routes = [
+        app = web.Application(middlewares=[errors, self._authenticate], client_max_size=self.config.max_body_bytes)
+        app.add_routes([
             web.post(f"{API}/client/config", self.client_config),
             web.post(f"{API}/client/dynamic_config", self.client_dynamic_config),
-            web.post(f"{API}/create_session", self.create_session),
-            web.post(f"{API}/session_heartbeat", self.session_heartbeat),
-            web.post(f"{API}/telemetry", self.telemetry),
-            web.post(f"{API}/sessions/{{session_id}}/finish", self.finish_session),
-            web.get(f"{API}/sessions", self.list_sessions),
-            web.get(f"{API}/sessions/{{session_id}}", self.get_session),
             web.get(f"{API}/healthz", self.healthz),
             web.get(f"{API}/get_server_capabilities", self.server_capabilities),
             web.post(f"{API}/create_model", self.create_model),
@@ -192,19 +115,16 @@ class Gateway:
             web.post(f"{API}/optim_step", self.optim_step),
             web.post(f"{API}/save_weights", self.save_weights),
             web.post(f"{API}/save_weights_for_sampler", self.save_weights_for_sampler),
+            web.post(f"{API}/save_weights_external", self.save_weights_external),
             web.post(f"{API}/load_weights", self.load_weights),
+            web.post(f"{API}/create_custom_loss", self.create_custom_loss),
             web.post(f"{API}/create_sampling_session", self.create_sampling_session),
+            web.post(f"{API}/join_sampling_session", self.join_sampling_session),
             web.get(f"{API}/samplers/{{sampler_id}}", self.get_sampler),
             web.post(f"{API}/asample", self.asample),
             web.post(f"{API}/retrieve_future", self.retrieve_future),
-            web.get(f"{API}/training_runs", self.list_training_runs),
-            web.get(f"{API}/training_runs/{{run_id}}", self.get_training_run),
-            web.get(f"{API}/training_runs/{{run_id}}/checkpoints", self.list_checkpoints),
-            web.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}", self.delete_checkpoint),
-            web.get(f"{API}/checkpoints", self.list_user_checkpoints),
-            web.post(f"{API}/weights_info", self.weights_info),
-        ]
-        app.add_routes(routes + self.openai.routes() + self.console.routes())
+            *(route for family in self.families for route in family.routes()),
+        ])
         return app
 
     async def start(self, host: str, port: int) -> str:
@@ -232,6 +152,7 @@ class Gateway:
         while True:
             await asyncio.sleep(30)
             self.promises.sweep()
+            await self.checkpoints.delete_expired()
 
     # ------------------------------------------------------------------------------------ submission
 
@@ -278,7 +199,7 @@ class Gateway:
         request_id = await self._submit(op, owner, render)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
-    # ------------------------------------------------------------------------------------ session routes
+    # ------------------------------------------------------------------------------------ client routes
 
     async def client_config(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -293,39 +214,6 @@ class Gateway:
     async def client_dynamic_config(self, request: web.Request) -> web.Response:
         return web.json_response({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
 
-    async def create_session(self, request: web.Request) -> web.Response:
-        await _json_body(request)
-        session_id = self.front_door.open_session(request[OWNER])
-        self.samplers[session_id] = []
-        return web.json_response({"type": "create_session", "session_id": session_id})
-
-    async def session_heartbeat(self, request: web.Request) -> web.Response:
-        session_id = (await _json_body(request)).text("session_id")
-        if not self.front_door.heartbeat(session_id, request[OWNER]):
-            return _http_error(410, f"session {session_id} is finished")
-        return web.json_response({"type": "session_heartbeat"})
-
-    async def telemetry(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "accepted"})
-
-    async def finish_session(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
-        self.front_door.close_session(session_id, request[OWNER])
-        return web.json_response({})
-
-    async def list_sessions(self, request: web.Request) -> web.Response:
-        """Sessions that own runs, and those opened through this gateway since it started."""
-        owner = request[OWNER]
-        opened = [s for s in self.samplers if self.front_door.owns_session(s, owner)]
-        listed = list(dict.fromkeys(self.front_door.sessions(owner) + opened))
-        offset, limit = _query_int(request, "offset", 0), _query_int(request, "limit", 20)
-        return web.json_response({"sessions": listed[offset: offset + limit]})
-
-    async def get_session(self, request: web.Request) -> web.Response:
-        session_id, owner = request.match_info["session_id"], request[OWNER]
-        runs = self.front_door.runs_of_session(session_id, owner)
-        return web.json_response({"training_run_ids": runs, "sampler_ids": self.samplers.get(session_id, [])})
-
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -335,14 +223,14 @@ class Gateway:
     # ------------------------------------------------------------------------------------ training routes
 
     async def create_model(self, request: web.Request) -> web.Response:
-        op, owner = json_wire.create_model(await _json_body(request)), request[OWNER]
+        op, owner = json_wire.create_model(await json_body(request)), request[OWNER]
         self._check_session(op.session_id, owner)
         model_id = _model_id(op)
         request_id = await self._submit(op, owner, self._render_created)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     async def get_info(self, request: web.Request) -> web.Response:
-        model_id = (await _json_body(request)).text("model_id")
+        model_id = (await json_body(request)).text("model_id")
         info = await self.front_door.query(m.GetInfo(model_id), request[OWNER])
         return web.json_response(json_wire.get_info(info))
 
@@ -361,25 +249,35 @@ class Gateway:
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     async def optim_step(self, request: web.Request) -> web.Response:
-        return await self._ordered(request, await _json_body(request),
+        return await self._ordered(request, await json_body(request),
                                    lambda body: (json_wire.optim_step(body), self._render_optim_step))
 
     async def save_weights(self, request: web.Request) -> web.Response:
-        return await self._ordered(request, await _json_body(request),
-                                   lambda body: (json_wire.save_weights(body), self._render_saved))
+        return await self._ordered(request, await json_body(request), lambda body: (
+            json_wire.save_weights(body), partial(self._render_saved, check_ttl(body.data.get("ttl_seconds")))))
+
+    async def save_weights_external(self, request: web.Request) -> web.Response:
+        return await self._ordered(request, await json_body(request), lambda body: (
+            json_wire.save_weights_external(body),
+            partial(self._render_external_saved, check_ttl(body.data.get("ttl_seconds")))))
+
+    async def create_custom_loss(self, request: web.Request) -> web.Response:
+        return http_error(501, "server-side custom losses are not implemented in Bios yet (client/config says "
+                               "custom_loss_server_side=false, so the tinker SDK runs create_custom_loss losses "
+                               "on the client)")
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         def parse(body: json_wire.Body) -> tuple[m.SaveWeights, Callable[[Any], Awaitable[Reply]]]:
             op, sampling_seq = json_wire.save_weights_for_sampler(body)
             if sampling_seq is None:
-                return op, self._render_sampler_saved
+                return op, partial(self._render_sampler_saved, check_ttl(body.data.get("ttl_seconds")))
             return op, partial(self._render_sampling_session, request[OWNER], ids.session_of(op.model_id),
                                sampling_seq)
 
-        return await self._ordered(request, await _json_body(request), parse)
+        return await self._ordered(request, await json_body(request), parse)
 
     async def load_weights(self, request: web.Request) -> web.Response:
-        body, owner = await _json_body(request), request[OWNER]
+        body, owner = await json_body(request), request[OWNER]
         if body.data.get("session_id") is None:
             return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self._render_loaded))
         op = json_wire.load_weights(body)
@@ -391,25 +289,32 @@ class Gateway:
     # ------------------------------------------------------------------------------------ sampling routes
 
     async def create_sampling_session(self, request: web.Request) -> web.Response:
-        query, owner = json_wire.create_sampling_session(await _json_body(request)), request[OWNER]
+        query, owner = json_wire.create_sampling_session(await json_body(request)), request[OWNER]
         self._check_session(query.session_id, owner)
         session = await self.front_door.query(query, owner)
-        self.samplers.setdefault(query.session_id, []).append(session.sampling_session_id)
+        self.sessions.opened_sampler(query.session_id, session.sampling_session_id)
         return web.json_response({"type": "create_sampling_session",
                                   "sampling_session_id": session.sampling_session_id})
+
+    async def join_sampling_session(self, request: web.Request) -> web.Response:
+        """A client number for an unpickled SamplingClient clone, unique among the session's clients."""
+        session_id = (await json_body(request)).text("sampling_session_id")
+        await self.front_door.query(m.GetSamplingSession(session_id), request[OWNER])
+        return web.json_response({"type": "join_sampling_session",
+                                  "client_counter": self.coordinator.labels.join_sampling_session(session_id)})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         query = m.GetSamplingSession(request.match_info["sampler_id"])
         return web.json_response(json_wire.sampler(await self.front_door.query(query, request[OWNER])))
 
     async def asample(self, request: web.Request) -> web.Response:
-        op, last_n = json_wire.sample(await _json_body(request))
+        op, last_n = json_wire.sample(await json_body(request))
         request_id = await self._submit(op, request[OWNER], partial(self._render_sample, last_n))
         return web.json_response({"request_id": request_id,
                                   "sample_sequence_ids": [f"{request_id}:{i}" for i in range(op.num_samples)]})
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
-        request_id = (await _json_body(request)).text("request_id")
+        request_id = (await json_body(request)).text("request_id")
         if not self.promises.knows(request_id):
             await self._recover_promise(request_id, request[OWNER])
         try:
@@ -423,46 +328,6 @@ class Gateway:
                 waiting |= {"queue_state": "paused_capacity", "queue_state_reason": reason}
             return web.json_response(waiting)
         return web.Response(body=reply.body, content_type=reply.content_type)
-
-    # ------------------------------------------------------------------------------------ REST routes
-
-    async def list_training_runs(self, request: web.Request) -> web.Response:
-        query = m.ListTrainingRuns(_query_int(request, "limit", 20), _query_int(request, "offset", 0))
-        return web.json_response(json_wire.training_runs(await self.front_door.query(query, request[OWNER])))
-
-    async def get_training_run(self, request: web.Request) -> web.Response:
-        run = await self.front_door.query(m.GetTrainingRun(request.match_info["run_id"]), request[OWNER])
-        return web.json_response(json_wire.training_run(run))
-
-    async def list_checkpoints(self, request: web.Request) -> web.Response:
-        listing = await self.front_door.query(m.ListCheckpoints(request.match_info["run_id"]), request[OWNER])
-        return web.json_response({"checkpoints": [json_wire.checkpoint(c) for c in listing.checkpoints]})
-
-    async def delete_checkpoint(self, request: web.Request) -> web.Response:
-        info = request.match_info
-        path = json_wire.checkpoint_path(info["run_id"], f"{info['kind']}/{info['name']}")
-        await self.front_door.query(m.DeleteCheckpoint(path), request[OWNER])
-        return web.json_response({})
-
-    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
-        owner, limit, offset = request[OWNER], _query_int(request, "limit", 100), _query_int(request, "offset", 0)
-        checkpoints: list[t.Checkpoint] = []
-        for run_id in self.front_door.run_ids(owner):
-            listing = await self.front_door.query(m.ListCheckpoints(run_id), owner)
-            checkpoints.extend(listing.checkpoints)
-        checkpoints.sort(key=lambda c: c.time, reverse=True)
-        page = [json_wire.checkpoint(c) for c in checkpoints[offset: offset + limit]]
-        cursor = {"offset": offset, "limit": limit, "total_count": len(checkpoints)}
-        return web.json_response({"checkpoints": page, "cursor": cursor})
-
-    async def weights_info(self, request: web.Request) -> web.Response:
-        owner = request[OWNER]
-        path = CheckpointPath.parse((await _json_body(request)).text("tinker_path"), field="tinker_path")
-        listing = await self.front_door.query(m.ListCheckpoints(path.run_id), owner)
-        if not any(c.bios_path == str(path) for c in listing.checkpoints):
-            raise NotFoundError(f"no checkpoint at {json_wire.tinker_path(str(path))}", field="tinker_path")
-        run = await self.front_door.query(m.GetTrainingRun(path.run_id), owner)
-        return web.json_response(json_wire.weights_info(run))
 
     # ------------------------------------------------------------------------------------ results
 
@@ -483,8 +348,8 @@ class Gateway:
             m.ModelCreated: self._render_created,
             t.ForwardBackwardOutput: self._render_forward_backward,
             t.OptimStepResponse: self._render_optim_step,
-            t.SaveWeightsResponse: self._render_saved,
-            t.SaveWeightsForSamplerResponse: self._render_sampler_saved,
+            t.SaveWeightsResponse: partial(self._render_saved, None),
+            t.SaveWeightsForSamplerResponse: partial(self._render_sampler_saved, None),
             t.LoadWeightsResponse: self._render_loaded,
             t.SampleResponse: partial(self._render_sample, None),
         }
@@ -502,18 +367,28 @@ class Gateway:
     async def _render_optim_step(self, out: t.OptimStepResponse) -> Reply:
         return json_reply({"metrics": json_wire.tinker_metrics(out.metrics)})
 
-    async def _render_saved(self, out: t.SaveWeightsResponse) -> Reply:
+    def _expire(self, path: str, ttl_seconds: int | None) -> None:
+        if ttl_seconds is not None:
+            self.coordinator.labels.set_ttl(path, ttl_seconds)
+
+    async def _render_saved(self, ttl_seconds: int | None, out: t.SaveWeightsResponse) -> Reply:
+        self._expire(out.path, ttl_seconds)
         return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights"})
 
-    async def _render_sampler_saved(self, out: t.SaveWeightsForSamplerResponse) -> Reply:
+    async def _render_sampler_saved(self, ttl_seconds: int | None, out: t.SaveWeightsForSamplerResponse) -> Reply:
+        self._expire(out.path, ttl_seconds)
         return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_for_sampler"})
+
+    async def _render_external_saved(self, ttl_seconds: int | None, out: t.SaveWeightsForSamplerResponse) -> Reply:
+        self._expire(out.path, ttl_seconds)
+        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_external"})
 
     async def _render_sampling_session(self, owner: str, session_id: str, sampling_seq: int,
                                        out: t.SaveWeightsForSamplerResponse) -> Reply:
         """An unnamed save's result is a sampling session on its checkpoint: save_weights_and_get_sampling_client."""
         query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
         session = await self.front_door.query(query, owner)
-        self.samplers.setdefault(session_id, []).append(session.sampling_session_id)
+        self.sessions.opened_sampler(session_id, session.sampling_session_id)
         return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
                            "type": "save_weights_for_sampler"})
 

@@ -1,0 +1,202 @@
+"""Tinker's REST routes for training runs and checkpoints: listings, weights info, delete, publish, TTL, copy and
+archive downloads.
+
+What a self-hosted cluster means by each:
+- publish / unpublish sets the checkpoint's `public` flag, shown in listings; Bios still serves a checkpoint's
+  tensors only to its own key (reading other keys' published checkpoints is not implemented).
+- a TTL (here, or `ttl_seconds` on a save) makes the gateway delete the checkpoint once it expires.
+- `external_weights_urls` are links to the checkpoint's own files (adapter and optimizer safetensors,
+  metadata.json), served by this gateway under `/downloads/` for an hour without an API key.
+- `copy_weights` copies the files into a new run in a new session of the same key (never scheduled); copying
+  from another account (`weights_access_token`) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from bios import messages as m
+from bios import types as t
+from bios.checkpoint_path import CheckpointPath
+from bios.coordinator.copies import copy_checkpoint
+from bios.coordinator.server import Coordinator
+from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
+
+from . import json_wire
+from .http_io import API, OWNER, json_body, query_int, rfc3339
+from .signed_urls import PREFIX, SignedUrls
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}"
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # Tinker's bounds: one hour to ten years
+
+
+class CheckpointRoutes:
+    def __init__(self, coordinator: Coordinator, urls: SignedUrls) -> None:
+        self.coordinator = coordinator
+        self.front_door = coordinator.front_door
+        self.labels = coordinator.labels
+        self.audit = coordinator.audit
+        self.urls = urls
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get(f"{API}/training_runs", self.list_training_runs),
+            web.get(f"{API}/training_runs/{{run_id}}", self.get_training_run),
+            web.get(f"{API}/training_runs/{{run_id}}/checkpoints", self.list_checkpoints),
+            web.delete(CHECKPOINT, self.delete_checkpoint),
+            web.post(f"{CHECKPOINT}/publish", self.publish),
+            web.delete(f"{CHECKPOINT}/publish", self.unpublish),
+            web.put(f"{CHECKPOINT}/ttl", self.set_ttl),
+            web.get(f"{CHECKPOINT}/external_weights_urls", self.external_weights_urls),
+            web.get(f"{API}/checkpoints", self.list_user_checkpoints),
+            web.post(f"{API}/weights_info", self.weights_info),
+            web.post(f"{API}/copy_weights", self.copy_weights),
+            web.get(f"{PREFIX}checkpoints/{{run_id}}/{{kind}}/{{name}}/{{file}}", self.download),
+        ]
+
+    # ------------------------------------------------------------------------------------ listings
+
+    def _checkpoint_json(self, ckpt: t.Checkpoint) -> dict[str, Any]:
+        label = self.labels.checkpoint(ckpt.bios_path)
+        out = json_wire.checkpoint(ckpt)
+        out["public"] = label.public
+        if label.expires_at is not None:
+            out["expires_at"] = rfc3339(label.expires_at)
+        return out
+
+    async def list_training_runs(self, request: web.Request) -> web.Response:
+        query = m.ListTrainingRuns(query_int(request, "limit", 20), query_int(request, "offset", 0))
+        return web.json_response(json_wire.training_runs(await self.front_door.query(query, request[OWNER])))
+
+    async def get_training_run(self, request: web.Request) -> web.Response:
+        run = await self.front_door.query(m.GetTrainingRun(request.match_info["run_id"]), request[OWNER])
+        return web.json_response(json_wire.training_run(run))
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        listing = await self.front_door.query(m.ListCheckpoints(request.match_info["run_id"]), request[OWNER])
+        return web.json_response({"checkpoints": [self._checkpoint_json(c) for c in listing.checkpoints]})
+
+    async def list_user_checkpoints(self, request: web.Request) -> web.Response:
+        owner, limit, offset = request[OWNER], query_int(request, "limit", 100), query_int(request, "offset", 0)
+        checkpoints: list[t.Checkpoint] = []
+        for run_id in self.front_door.run_ids(owner):
+            listing = await self.front_door.query(m.ListCheckpoints(run_id), owner)
+            checkpoints.extend(listing.checkpoints)
+        checkpoints.sort(key=lambda c: c.time, reverse=True)
+        page = [self._checkpoint_json(c) for c in checkpoints[offset: offset + limit]]
+        cursor = {"offset": offset, "limit": limit, "total_count": len(checkpoints)}
+        return web.json_response({"checkpoints": page, "cursor": cursor})
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        owner = request[OWNER]
+        path = CheckpointPath.parse((await json_body(request)).text("tinker_path"), field="tinker_path")
+        await self._own(str(path), owner)
+        run = await self.front_door.query(m.GetTrainingRun(path.run_id), owner)
+        return web.json_response(json_wire.weights_info(run))
+
+    # ------------------------------------------------------------------------------------ one checkpoint
+
+    async def _own(self, path: str, owner: str) -> t.Checkpoint:
+        """The caller's checkpoint at `path`; NotFoundError if it is not theirs (or does not exist)."""
+        run_id = CheckpointPath.parse(path).run_id
+        listing = await self.front_door.query(m.ListCheckpoints(run_id), owner)
+        for ckpt in listing.checkpoints:
+            if ckpt.bios_path == path:
+                return ckpt
+        raise NotFoundError(f"no checkpoint at {json_wire.tinker_path(path)}", field="tinker_path")
+
+    def _path(self, request: web.Request) -> str:
+        info = request.match_info
+        return json_wire.checkpoint_path(info["run_id"], f"{info['kind']}/{info['name']}")
+
+    async def delete_checkpoint(self, request: web.Request) -> web.Response:
+        await self.front_door.query(m.DeleteCheckpoint(self._path(request)), request[OWNER])
+        return web.json_response({})
+
+    async def publish(self, request: web.Request) -> web.Response:
+        return await self._set_public(request, True)
+
+    async def unpublish(self, request: web.Request) -> web.Response:
+        return await self._set_public(request, False)
+
+    async def _set_public(self, request: web.Request, public: bool) -> web.Response:
+        path, owner = self._path(request), request[OWNER]
+        await self._own(path, owner)
+        self.labels.publish(path, public)
+        self.audit.record(owner, "checkpoint_published" if public else "checkpoint_unpublished", path=path)
+        return web.json_response({})
+
+    async def set_ttl(self, request: web.Request) -> web.Response:
+        path, owner = self._path(request), request[OWNER]
+        ttl = check_ttl((await json_body(request)).data.get("ttl_seconds"))
+        await self._own(path, owner)
+        expires = self.labels.set_ttl(path, ttl)
+        self.audit.record(owner, "checkpoint_ttl_set", path=path, expires_at=expires)
+        return web.json_response({})
+
+    async def external_weights_urls(self, request: web.Request) -> web.Response:
+        path = self._path(request)
+        await self._own(path, request[OWNER])
+        parsed = CheckpointPath.parse(path)
+        base = f"{request.scheme}://{request.host}"
+        urls, expires = {}, 0.0
+        for file in self.coordinator.catalog.files.files(parsed):
+            urls[file.name], expires = self.urls.sign(base, f"checkpoints/{parsed.run_id}/{parsed.kind}/"
+                                                            f"{parsed.name}/{file.name}")
+        return web.json_response({"urls": urls, "expires": rfc3339(expires or 0.0)})
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        link = f"checkpoints/{info['run_id']}/{info['kind']}/{info['name']}/{info['file']}"
+        self.urls.check(link, request.query.get("expires"), request.query.get("sig"))
+        path = CheckpointPath.parse(f"bios://{info['run_id']}/{info['kind']}/{info['name']}")
+        for file in self.coordinator.catalog.files.files(path):
+            if file.name == info["file"]:
+                return web.FileResponse(file)
+        raise NotFoundError(f"{info['file']} is no longer in checkpoint {path} (deleted since the link was made)")
+
+    async def copy_weights(self, request: web.Request) -> web.Response:
+        body, owner = await json_body(request), request[OWNER]
+        if body.data.get("weights_access_token") or request.headers.get("X-Tinker-Weights-Access-Token"):
+            raise BadRequestError("Bios copies only the calling key's own checkpoints; weights access tokens for "
+                                  "another account's weights are not supported", field="weights_access_token")
+        source = str(CheckpointPath.parse(body.text("source_path"), field="source_path"))
+        ttl = check_ttl(body.data.get("ttl_seconds"))
+        session_id = self.front_door.open_session(owner)
+        copy = copy_checkpoint(self.coordinator.store, self.coordinator.catalog, source, owner, session_id)
+        self.front_door.close_session(session_id, owner)
+        project = body.data.get("destination_project_id")
+        if isinstance(project, str):
+            self.labels.set_project(session_id, project)
+        if ttl is not None:
+            self.labels.set_ttl(copy, ttl)
+        self.audit.record(owner, "checkpoint_copied", source=source, path=copy)
+        return web.json_response({"tinker_path": json_wire.tinker_path(copy)})
+
+    # ------------------------------------------------------------------------------------ expiry
+
+    async def delete_expired(self) -> int:
+        """Delete every checkpoint past its TTL; returns how many went."""
+        gone = 0
+        for path, owner in self.labels.expired():
+            try:
+                await self.front_door.query(m.DeleteCheckpoint(path), owner)
+                gone += 1
+            except BiosAPIError as exc:
+                log.warning("expired checkpoint %s not deleted: %s", path, exc.message)
+        return gone
+
+
+def check_ttl(raw: object) -> int | None:
+    """Tinker's TTL rule: None (never expires) or whole seconds from one hour to ten years."""
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or not MIN_TTL_S <= raw <= MAX_TTL_S:
+        raise BadRequestError(f"ttl_seconds must be an integer from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} "
+                              f"(10 years), or null for no expiry; got {raw!r}", field="ttl_seconds")
+    return raw
