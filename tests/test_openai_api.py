@@ -70,6 +70,20 @@ def test_greedy_completion_equals_native_sampling_and_streams_the_same_text(clie
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+def test_penalties_and_vllm_extensions_sample_like_the_native_params(client, trained):
+    path, sampler, service = trained
+    tokenizer = sampler.get_tokenizer()
+    options = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05, top_k=20)
+    expected, _ = _native_text(sampler, tokenizer.encode(PROMPT), t.SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                  **options))
+    plain, _ = _native_text(sampler, tokenizer.encode(PROMPT))
+    assert expected != plain  # the penalties change greedy text here, so the comparison below means something
+    done = client.completions.create(model=path, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     presence_penalty=1.5, frequency_penalty=0.5,
+                                     extra_body={"repetition_penalty": 1.3, "min_p": 0.05, "top_k": 20})
+    assert done.choices[0].text == expected
+
+
 def test_greedy_chat_uses_the_chat_template_and_streams_the_same_text(client, trained):
     path, sampler, service = trained
     expected, sequence = _native_text(sampler, _chat_prompt(sampler.get_tokenizer()))

@@ -74,6 +74,12 @@ def parse(data: Any, *, chat: bool) -> CompletionRequest:
         stop=stop,
         temperature=body.number("temperature", 1.0),
         top_p=body.number("top_p", 1.0),
+        presence_penalty=body.number("presence_penalty", 0.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0),
+        # vLLM's extensions of the OpenAI request, with vLLM's meanings (as Bios's own sampling params)
+        top_k=body.integer("top_k", -1),
+        min_p=body.number("min_p", 0.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0),
     )
     options = body.child("stream_options", None)
     if chat:
