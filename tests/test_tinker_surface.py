@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -58,8 +59,8 @@ def drain(coro: Any) -> Any:
 
 
 class Keyed:
-    def __init__(self, url: str, alice: str, bob: str, admin: str) -> None:
-        self.url, self.alice, self.bob, self.admin = url, alice, bob, admin
+    def __init__(self, url: str, state_dir, alice: str, bob: str, admin: str) -> None:
+        self.url, self.state_dir, self.alice, self.bob, self.admin = url, state_dir, alice, bob, admin
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def keyed(tmp_path_factory):
     keys.close()
     with bios.LocalCluster(state_dir=state_dir, http="127.0.0.1:0", worker_threads=1,
                            env={"BIOS_GATEWAY_POLL_S": "2"}) as cluster:
-        yield Keyed(cluster.http_url, alice, bob, admin)
+        yield Keyed(cluster.http_url, state_dir, alice, bob, admin)
 
 
 def neg_ll(logprobs, weights):
@@ -320,3 +321,136 @@ def _hour(when: datetime) -> str:
 
 def _key_id(key: str) -> str:
     return ApiKey.parse(key).key_id
+
+
+# ------------------------------------------------------------------------------------------ keys scope everything
+
+
+def _totals(events) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for event in events:
+        info = event.event_info
+        amount = getattr(info, "token_count", None) or getattr(info, "count", None) or info.gigabyte_hours
+        totals[info.type] = totals.get(info.type, 0.0) + amount
+    return totals
+
+
+def test_usage_audit_and_sessions_are_scoped_to_their_key(keyed):
+    bob_id, alice_id = _key_id(keyed.bob), _key_id(keyed.alice)
+    with tinker.ServiceClient(base_url=keyed.url, api_key=keyed.bob, display_name="bob's") as svc:
+        tc = svc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+        tc.forward_backward(BATCH, "cross_entropy").result(60)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        sampled = sampler.sample(PROMPT, 2, GREEDY).result(60).sequences
+        bob_session = svc.holder.get_session_id()
+    now = datetime.now(timezone.utc)
+    start, end = _hour(now - timedelta(hours=1)), _hour(now + timedelta(hours=1))
+
+    bob = tinker.AdminClient(base_url=keyed.url, api_key=keyed.bob)
+    events = bob.get_billing_usage(start, end).result().data
+    assert {e.user_id for e in events} == {bob_id}
+    totals = _totals(events)
+    assert totals["training"] == BATCH_TOKENS
+    assert totals["sampling_prefill"] == PROMPT.length
+    assert totals["sampling_sample"] == sum(len(s.tokens) for s in sampled)
+    assert totals["checkpoint"] == 1
+    checkpoints = tinker.RestClient(base_url=keyed.url, api_key=keyed.bob).list_user_checkpoints().result()
+    size = sum(c.size_bytes for c in checkpoints.checkpoints)
+    elapsed_h = (time.time() - checkpoints.checkpoints[0].time.timestamp()) / 3600
+    assert 0 < totals["storage"] <= size / 1e9 * elapsed_h * 1.01 + 1e-12
+    assert [(d.org_user_urn, d.size_bytes, d.checkpoint_count) for d in
+            bob.get_current_checkpoint_storage_usage().result().data] == [(bob_id, size, 1)]
+    audit = bob.get_audit_log().result().entries
+    assert {e.event_details["owner"] for e in audit} == {bob_id}
+    assert {"api_key_created", "training_run_created"} <= {e.event for e in audit}
+
+    alice = tinker.AdminClient(base_url=keyed.url, api_key=keyed.alice)
+    assert bob_id not in {e.user_id for e in alice.get_billing_usage(start, end).result().data}
+    assert bob_id not in {e.event_details["owner"] for e in alice.get_audit_log().result().entries}
+    alice_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.alice)
+    everyone = tt.SessionSearchRequest(owner=tt.AccessibleSearchOwner())
+    assert bob_session not in {s.session_id for s in alice_rest.search_sessions(everyone).result().sessions}
+    with pytest.raises(tinker.NotFoundError):
+        alice_rest.get_session(bob_session).result()
+    with pytest.raises(tinker.NotFoundError):
+        alice_rest.publish_checkpoint_from_tinker_path(checkpoints.checkpoints[0].tinker_path).result()
+
+    admin = tinker.AdminClient(base_url=keyed.url, api_key=keyed.admin)
+    assert {bob_id, alice_id} <= {e.user_id for e in admin.get_billing_usage(start, end).result().data}
+    assert {bob_id, alice_id} <= {e.event_details["owner"] for e in admin.get_audit_log().result().entries}
+    assert {bob_id, alice_id} <= {d.org_user_urn for d in admin.get_current_checkpoint_storage_usage().result().data}
+    admin_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.admin)
+    owners = {s.owner for s in admin_rest.search_sessions(everyone).result().sessions}
+    assert {bob_id, alice_id} <= owners
+
+
+# ------------------------------------------------------------------------------------------ routes behind SDK flags
+
+
+def test_routes_the_sdk_calls_only_behind_flags(keyed, tmp_path):
+    with tinker.ServiceClient(base_url=keyed.url, api_key=keyed.bob) as svc:
+        tc = svc.create_lora_training_client(base_model=BASE, rank=4, seed=4).result()
+        tc.save_weights_and_get_sampling_client().result()
+        session = svc.create_rest_client().get_session(svc.holder.get_session_id()).result().sampler_ids[-1]
+    bob = httpx.Client(base_url=f"{keyed.url}/api/v1", headers={"X-API-Key": keyed.bob}, timeout=30)
+    alice = httpx.Client(base_url=f"{keyed.url}/api/v1", headers={"X-API-Key": keyed.alice}, timeout=30)
+
+    # join_sampling_session: each clone gets a new number; another key's session is not found
+    counters = [json_of(bob.post("/join_sampling_session", json={"sampling_session_id": session}))["client_counter"]
+                for _ in range(2)]
+    assert counters == [1, 2]
+    assert alice.post("/join_sampling_session", json={"sampling_session_id": session}).status_code == 404
+
+    # retrieve_futures lists the finished requests of one clone of one sampling session, after the cursor
+    def asample(seq_id: int) -> str:
+        body = {"sampling_session_id": session, "seq_id": seq_id, "num_samples": 1,
+                "prompt": {"chunks": [{"tokens": list(b"Hi"), "type": "encoded_text"}]},
+                "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+        return json_of(bob.post("/asample", json=body))["request_id"]
+
+    first, cloned = asample(7), asample(2_000_000_007)
+    target = {"type": "sampling_session", "sampling_session_id": session, "cloned_sampler_id": 0}
+    polled = json_of(bob.post("/retrieve_futures", json={"target": target, "prev_cursor": 0, "timeout": 20}))
+    assert [c["request_id"] for c in polled["completions"]] == [first]
+    assert polled["completions"][0]["state"] == "finished"
+    again = json_of(bob.post("/retrieve_futures", json={"target": target, "prev_cursor": polled["cursor"],
+                                                          "timeout": 0}))
+    assert again["completions"] == [] and again["cursor"] == polled["cursor"]
+    clone = json_of(bob.post("/retrieve_futures", json={"target": {**target, "cloned_sampler_id": 2},
+                                                          "prev_cursor": 0, "timeout": 20}))
+    assert [c["request_id"] for c in clone["completions"]] == [cloned]
+    assert json_of(alice.post("/retrieve_futures", json={"target": target, "timeout": 0}))["completions"] == []
+
+    # cancel_future: the gateway stops holding a pending request (here one waiting for a missing seq_id)
+    waiting = json_of(bob.post("/optim_step", json={"model_id": tc.model_id, "seq_id": 50, "type": "optim_step",
+                                                    "adam_params": {"learning_rate": 1e-3}}))["request_id"]
+    assert json_of(alice.post("/cancel_future", json={"request_id": waiting})) == {"cancelled": False}
+    assert json_of(bob.post("/cancel_future", json={"request_id": waiting})) == {"cancelled": True}
+    assert json_of(bob.post("/cancel_future", json={"request_id": waiting})) == {"cancelled": False}  # done once
+    # the coordinator still holds the request (Bios does not abort accepted work): asking again re-attaches
+    assert json_of(bob.post("/retrieve_future", json={"request_id": waiting}))["type"] == "try_again"
+
+    # auth/apikey/me describes the calling key; DELETE revokes that key only
+    me = json_of(bob.get("/auth/apikey/me"))
+    assert me["name"] == "bob" and me["key_id"] == int(_key_id(keyed.bob), 16) and me["admin"] is False
+    admin = json_of(httpx.get(f"{keyed.url}/api/v1/auth/apikey/me", headers={"X-API-Key": keyed.admin}))
+    assert admin["admin"] is True
+    keys = KeyStore.open(keyed.state_dir)
+    carol = f"tml-{keys.create('carol')}"
+    keys.close()
+    carol_http = httpx.Client(base_url=f"{keyed.url}/api/v1", headers={"X-API-Key": carol}, timeout=30)
+    assert json_of(carol_http.get("/auth/apikey/me"))["name"] == "carol"
+    assert carol_http.delete("/auth/apikey/me").status_code == 200
+    assert carol_http.get("/auth/apikey/me").status_code == 401
+    events = tinker.AdminClient(base_url=keyed.url, api_key=keyed.admin).get_audit_log().result().entries
+    assert {"api_key_created", "api_key_revoked"} <= {e.event for e in events if e.event_details.get("name") == "carol"}
+
+    # what Bios does not do answers 501 with the reason
+    for route, body in (("/auth/token", {}), ("/create_custom_loss", {"session_id": "x"})):
+        reply = bob.post(route, json=body)
+        assert reply.status_code == 501 and reply.json()["detail"]
+
+
+def json_of(reply: httpx.Response) -> Any:
+    assert reply.status_code == 200, reply.text
+    return reply.json()

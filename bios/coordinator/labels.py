@@ -86,13 +86,11 @@ class Labels:
         """Sessions of `owner` (None: every key's), newest first, with their checkpoints' count and bytes."""
         rows = self.db.execute(
             "SELECT s.session_id, s.owner, s.created, s.closed, l.display_name, l.user_metadata, l.project_id, "
-            "l.finish_reason, l.finish_detail, "
-            "(SELECT COUNT(*) FROM checkpoints c JOIN runs r ON r.model_id = c.run_id WHERE r.session_id = s.session_id), "
-            "(SELECT COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN runs r ON r.model_id = c.run_id "
-            " WHERE r.session_id = s.session_id) "
+            "l.finish_reason, l.finish_detail, COUNT(c.path), COALESCE(SUM(c.size_bytes), 0) "
             "FROM sessions s LEFT JOIN session_labels l ON l.session_id = s.session_id "
+            "LEFT JOIN runs r ON r.session_id = s.session_id LEFT JOIN checkpoints c ON c.run_id = r.model_id "
             + ("" if owner is None else "WHERE s.owner = ? ")
-            + "ORDER BY s.created DESC, s.session_id DESC", () if owner is None else (owner,)).fetchall()
+            + "GROUP BY s.session_id ORDER BY s.created DESC, s.session_id DESC", () if owner is None else (owner,)).fetchall()
         return [SessionSummary(r[0], r[1], float(r[2]), bool(r[3]), r[4], json.loads(r[5]) if r[5] else None, r[6],
                                r[7], r[8], int(r[9]), int(r[10])) for r in rows]
 
