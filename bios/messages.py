@@ -72,7 +72,8 @@ class CreateModel:
     """Creates a training run; its model id is `{session_id}:train:{model_seq_id}` (the Tinker format).
 
     With `from_path` the adapter starts from that checkpoint (and its optimizer state if `with_optimizer`);
-    the coordinator fills `state` from its store before the op reaches a worker.
+    the coordinator fills `state` from its store before the op reaches a worker. `optimizer` is fixed for the
+    run's lifetime; a run resumed with its optimizer state keeps the checkpoint's.
     """
 
     session_id: str
@@ -82,6 +83,7 @@ class CreateModel:
     from_path: str | None = None
     with_optimizer: bool = False
     state: CheckpointState | None = None
+    optimizer: t.OptimizerName = "adamw"
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,11 @@ class ForwardBackward:
 
 @dataclass(frozen=True)
 class OptimStep:
+    """One optimizer step; `adam_params` (Tinker's wire name) is DimuonParams for a run created with Dimuon."""
+
     model_id: str
     seq_id: int
-    adam_params: t.AdamParams
+    adam_params: t.AdamParams | t.DimuonParams
 
 
 @dataclass(frozen=True)
@@ -459,6 +463,7 @@ class AdapterSpec:
     model_id: str
     base_model: str
     lora: t.LoraConfig
+    optimizer: t.OptimizerName = "adamw"
 
 
 @dataclass(frozen=True)

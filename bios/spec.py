@@ -252,6 +252,40 @@ def check_adam(params: t.AdamParams) -> None:
             raise BadRequestError(f"AdamParams.{name} {rule}, got {value!r}", field=f"adam_params.{name}")
 
 
+def check_dimuon(params: t.DimuonParams) -> None:
+    rules = (
+        ("learning_rate", lambda v: v >= 0, "must be >= 0"),
+        ("grad_clip_norm", lambda v: True, "must be a number (<= 0 disables clipping)"),
+        ("beta1", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        ("damping", lambda v: v > 0, "must be > 0"),
+        ("rank_lr_correction_exponent", lambda v: True, "must be a number (0 disables the rank correction)"),
+    )
+    for name, ok, rule in rules:
+        value = getattr(params, name)
+        if not _is_number(value) or not ok(value):
+            raise BadRequestError(f"DimuonParams.{name} {rule}, got {value!r}", field=f"optimizer_params.{name}")
+
+
+OPTIMIZERS: dict[str, type] = {"adamw": t.AdamParams, "dimuon": t.DimuonParams}  # a run's optimizer: its params
+
+
+def check_optimizer(name: object) -> None:
+    if name not in OPTIMIZERS:
+        raise BadRequestError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}", field="optimizer")
+
+
+def check_optim_params(params: object, optimizer: str) -> None:
+    """A step's hyperparameters: the kind the run's optimizer (chosen at creation) takes, each value in range."""
+    wanted = OPTIMIZERS[optimizer]
+    if not isinstance(params, wanted):
+        raise BadRequestError(f"this run was created with the {optimizer} optimizer: its steps take "
+                              f"{wanted.__name__}, got {type(params).__name__}", field="optim_params")
+    if isinstance(params, t.DimuonParams):
+        check_dimuon(params)
+    else:
+        check_adam(params)
+
+
 def check_lora(config: t.LoraConfig) -> None:
     """What can be checked of a LoRA config without the model (workers also bound the rank by layer sizes)."""
     rank = config.rank

@@ -160,6 +160,32 @@ class AdamParams:
 
 
 @dataclass(frozen=True)
+class DimuonParams:
+    """One Dimuon step (Tinker's fields and defaults); `bios.kernels.dimuon` says what each one does."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0  # <= 0: no clipping
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+
+OptimizerName = Literal["adamw", "dimuon"]  # chosen at creation, fixed for the run's lifetime
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """AdamW (the default): steps take `AdamParams`."""
+
+
+@dataclass(frozen=True)
+class DimuonOptimizerConfig:
+    """Dimuon: steps take `DimuonParams`. Version 1 is the only one."""
+
+    version: int = 1
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     rank: int = 32
     seed: int | None = None

@@ -185,6 +185,7 @@ class Admission:
             raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
         op = self.load_starting_state(op, owner)
         spec.check_lora(op.lora)
+        spec.check_optimizer(op.optimizer)
         if not isinstance(op.base_model, str) or not op.base_model:
             raise BadRequestError("base_model is empty: name a model (see `bios models list`)", field="base_model")
         if op.lora.seed is None:  # one seed for every replica, so they agree from the first step
@@ -204,7 +205,9 @@ class Admission:
                             train_unembed=bool(meta.get("train_unembed", True)),
                             train_mlp=bool(meta.get("train_mlp", True)),
                             train_attn=bool(meta.get("train_attn", True)))
-        return dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state)
+        optimizer = meta.get("optimizer", "adamw") if op.with_optimizer else op.optimizer  # its state decides
+        return dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state,
+                                   optimizer=optimizer)
 
     def prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
         """Check a request against the spec and its run; fill in what only the coordinator knows (the same
@@ -218,7 +221,7 @@ class Admission:
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
             return dataclasses.replace(op, data=data)
         elif isinstance(op, m.OptimStep):
-            spec.check_adam(op.adam_params)
+            spec.check_optim_params(op.adam_params, run.optimizer)
         elif isinstance(op, m.SaveWeights):
             name = op.name if op.name is not None else f"{op.seq_id:06d}-{_digest(run.model_id)}"
             check_name(name)
@@ -233,6 +236,10 @@ class Admission:
             if op.optimizer and state.optimizer is None:
                 raise BadRequestError(f"{op.path} holds no optimizer state (it is a sampler checkpoint); "
                                       "use load_state instead", field="path")
+            if op.optimizer and state.metadata.get("optimizer", "adamw") != run.optimizer:
+                raise BadRequestError(f"{op.path} holds {state.metadata.get('optimizer', 'adamw')} optimizer state, "
+                                      f"but run {run.model_id} trains with {run.optimizer}: use load_state",
+                                      field="path")
             return dataclasses.replace(op, state=state)
         return op
 

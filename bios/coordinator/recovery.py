@@ -19,7 +19,7 @@ from bios.exceptions import BiosAPIError
 from bios.transport.codec import Codec
 
 from .admission import Admission, Sampler
-from .runs import Queued, Run
+from .runs import Queued, Run, from_stored_config
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,9 @@ def restore(store: Store, codec: Codec, admission: Admission) -> Restored:
     state = Restored()
     for stored in store.live_runs():
         info = t.BaseModelInfo(**stored.info) if stored.info else None
-        run = Run(stored.model_id, stored.session_id, stored.owner, stored.base_model,
-                  t.LoraConfig(**stored.lora_config), status=stored.status, info=info)
+        lora, optimizer = from_stored_config(stored.lora_config)
+        run = Run(stored.model_id, stored.session_id, stored.owner, stored.base_model, lora, status=stored.status,
+                  info=info, optimizer=optimizer)
         run.next_seq = store.last_run_seq(run.model_id) + 1
         for seq_id, request_id in store.rejected_seqs(run.model_id).items():
             if seq_id >= run.next_seq:
@@ -79,5 +80,5 @@ def _prepare(op: Any, target: str, state: Restored, admission: Admission) -> Any
         raise BiosAPIError(f"training run {target} is no longer live", field="model_id")
     if isinstance(op, m.CreateModel):  # the stored run has the seed chosen at creation
         loaded = admission.load_starting_state(op, run.owner) if op.from_path is not None else op
-        return dataclasses.replace(loaded, base_model=run.base_model, lora=run.lora)
+        return dataclasses.replace(loaded, base_model=run.base_model, lora=run.lora, optimizer=run.optimizer)
     return admission.prepare(op, run, run.owner, state.infos)

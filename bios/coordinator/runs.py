@@ -7,6 +7,7 @@ queue moves past it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,19 @@ class Queued:
     deaths: int = 0  # cycles that aborted because a worker died while running this request
 
 
+def stored_config(lora: t.LoraConfig, optimizer: t.OptimizerName) -> dict[str, object]:
+    """What the store keeps of a run's training configuration (its `lora_config` column): LoRA shape and
+    optimizer."""
+    return {**dataclasses.asdict(lora), "optimizer": optimizer}
+
+
+def from_stored_config(config: dict[str, object]) -> tuple[t.LoraConfig, t.OptimizerName]:
+    """`stored_config` read back; runs stored before optimizers were chosen trained with AdamW."""
+    fields = dict(config)
+    optimizer = fields.pop("optimizer", "adamw")
+    return t.LoraConfig(**fields), optimizer  # type: ignore[arg-type, return-value]
+
+
 @dataclass
 class Run:
     model_id: str
@@ -38,6 +52,7 @@ class Run:
     queue: dict[int, Queued] = field(default_factory=dict)
     in_flight: list[tuple[int, Queued]] = field(default_factory=list)
     progressed_at: float = field(default_factory=time.monotonic)  # when its next request last came or ran
+    optimizer: t.OptimizerName = "adamw"  # chosen at creation
 
     def describe(self, memory_plan: str | None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base."""

@@ -51,7 +51,7 @@ from .metrics import CoordinatorMetrics
 from .planning import PoolPlanner, Workers
 from .recovery import restore
 from .results import Push, ResultRouter
-from .runs import Queued, Run
+from .runs import Queued, Run, stored_config
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class Scheduler(Actor):
         if isinstance(message, Query):
             return self._query(message.owner, message.body)
         if isinstance(message, Adapters):
-            return [m.AdapterSpec(r.model_id, r.base_model, r.lora) for r in self.runs.values() if r.status == "ready"]
+            return [m.AdapterSpec(r.model_id, r.base_model, r.lora, r.optimizer)
+                    for r in self.runs.values() if r.status == "ready"]
         if isinstance(message, Layout):
             await self._plan_waiting()
             return PoolLayout(self.planner.tp, tuple(self.planner.model_plans()))
@@ -189,8 +190,10 @@ class Scheduler(Actor):
         sampling = isinstance(op, m.Sample)
         if isinstance(op, m.CreateModel):
             self.planner.adopt(fresh.plan)
-            self.runs[fresh.target] = Run(fresh.target, op.session_id, sub.owner, op.base_model, op.lora)
-            self.store.add_run(fresh.target, op.session_id, sub.owner, op.base_model, dataclasses.asdict(op.lora))
+            self.runs[fresh.target] = Run(fresh.target, op.session_id, sub.owner, op.base_model, op.lora,
+                                          optimizer=op.optimizer)
+            self.store.add_run(fresh.target, op.session_id, sub.owner, op.base_model,
+                               stored_config(op.lora, op.optimizer))
         self.store.add_request(fresh.request_id, fresh.target, fresh.seq_id, type(op).__name__, sub.frames)
         self.ledger.record(fresh.request_id, sub.owner, nbytes=sub.nbytes, sampling=sampling)
         self.metrics.request_accepted(fresh.request_id, op)

@@ -78,7 +78,7 @@ class Body:
 
 
 def create_model(body: Body) -> m.CreateModel:
-    _check_adamw(body)
+    optimizer = _optimizer(body)
     lora = body.child("lora_config", None)
     config = t.LoraConfig() if lora is None else t.LoraConfig(
         rank=lora.integer("rank", 32),
@@ -87,7 +87,8 @@ def create_model(body: Body) -> m.CreateModel:
         train_mlp=lora.flag("train_mlp", True),
         train_attn=lora.flag("train_attn", True),
     )
-    return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model"), config)
+    return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model"), config,
+                         optimizer=optimizer)
 
 
 def _model_seq_id(body: Body) -> int:
@@ -98,20 +99,25 @@ def _model_seq_id(body: Body) -> int:
     return model_seq_id
 
 
-def _check_adamw(body: Body, name: str = "optimizer_config") -> None:
-    optimizer = body.child(name, None)
-    if optimizer is not None and optimizer.text("type", "adamw") != "adamw":
-        raise BadRequestError(f"{name}.type {optimizer.data['type']!r} is not supported: Bios trains with AdamW",
-                              field=f"{name}.type")
+def _optimizer(body: Body) -> t.OptimizerName:
+    """The run's optimizer from `optimizer_config`: AdamW (absent or `adamw`) or Dimuon version 1."""
+    config = body.child("optimizer_config", None)
+    kind = "adamw" if config is None else config.text("type", "adamw")
+    if kind == "dimuon" and config.integer("version", 1) != 1:
+        raise BadRequestError(f"optimizer_config.version {config.data['version']!r} is not supported: Bios runs "
+                              "Dimuon version 1", field="optimizer_config.version")
+    if kind not in ("adamw", "dimuon"):
+        raise BadRequestError(f"optimizer_config.type {kind!r} is not supported: Bios trains with adamw or dimuon",
+                              field="optimizer_config.type")
+    return kind
 
 
 def load_weights(body: Body) -> m.LoadWeights | m.CreateModel:
     """`model_id` + `seq_id`: load into a run. `session_id` + `model_seq_id`: a new run from the checkpoint."""
     path, optimizer = body.text("path"), body.flag("optimizer", False)
-    if body.data.get("session_id") is not None:
-        _check_adamw(body)
+    if body.data.get("session_id") is not None:  # with the optimizer state, the checkpoint's optimizer wins
         return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model", ""),
-                             t.LoraConfig(), from_path=path, with_optimizer=optimizer)
+                             t.LoraConfig(), from_path=path, with_optimizer=optimizer, optimizer=_optimizer(body))
     if body.data.get("model_id") is None:
         raise BadRequestError("load_weights needs model_id and seq_id (load into a run) or session_id and "
                               "model_seq_id (a new run from the checkpoint)", field="model_id")
@@ -130,8 +136,17 @@ def optim_step(body: Body) -> m.OptimStep:
     name = next((n for n in ("adam_params", "optim_params", "optimizer_params") if body.data.get(n) is not None),
                 "adam_params")
     params = body.child(name)
-    if params.text("type", "adam") not in ("adam", "adamw"):
-        raise BadRequestError(f"{name}.type {params.data['type']!r} is not supported: Bios trains with AdamW",
+    kind = params.text("type", "adam")
+    if kind == "dimuon":
+        defaults = t.DimuonParams(learning_rate=0.0)
+        dimuon = t.DimuonParams(
+            learning_rate=params.number("learning_rate"),
+            **{name: params.number(name, getattr(defaults, name))
+               for name in ("grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent")},
+        )
+        return m.OptimStep(body.text("model_id"), _seq_id(body), dimuon)
+    if kind not in ("adam", "adamw"):
+        raise BadRequestError(f"{name}.type {kind!r} is not supported: Bios trains with adamw or dimuon",
                               field=f"{name}.type")
     defaults = t.AdamParams()
     adam = t.AdamParams(

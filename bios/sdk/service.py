@@ -77,10 +77,13 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
-        """Create a LoRA run on `base_model`; blocks until its adapter exists on the workers."""
-        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn))
+        """Create a LoRA run on `base_model`; blocks until its adapter exists on the workers. `optimizer` is fixed
+        for the run's lifetime (AdamW by default; `DimuonOptimizerConfig()`: its steps take `DimuonParams`)."""
+        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn),
+                              optimizer=_optimizer_name(optimizer))
         return self._training_client(future.result(timeout))
 
     async def create_lora_training_client_async(
@@ -92,9 +95,11 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
-        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn))
+        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn),
+                              optimizer=_optimizer_name(optimizer))
         return self._training_client(await future.result_async(timeout))
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
@@ -102,7 +107,7 @@ class ServiceClient:
         return self._training_client(self._create("", t.LoraConfig(), from_path=path).result())
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
-        """A new run that continues a `save_state` checkpoint exactly: weights and Adam state."""
+        """A new run that continues a `save_state` checkpoint exactly: weights, optimizer (its kind and state)."""
         return self._training_client(self._create("", t.LoraConfig(), from_path=path, with_optimizer=True).result())
 
     async def create_training_client_from_state_async(self, path: str) -> TrainingClient:
@@ -112,10 +117,11 @@ class ServiceClient:
         return self._training_client(await self._create("", t.LoraConfig(), from_path=path, with_optimizer=True))
 
     def _create(self, base_model: str, lora: t.LoraConfig, *, from_path: str | None = None,
-                with_optimizer: bool = False) -> APIFuture[m.ModelCreated]:
+                with_optimizer: bool = False, optimizer: t.OptimizerName = "adamw") -> APIFuture[m.ModelCreated]:
         with self._model_seq_lock:
             model_seq_id = next(self._model_seq)
-            op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer)
+            op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer,
+                               optimizer=optimizer)
             request_id = ids.request_id(ids.run_id(self.session_id, model_seq_id), 0)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
@@ -197,3 +203,13 @@ def _close_at_exit(ref: weakref.ref[ServiceClient]) -> None:
     client = ref()
     if client is not None:
         client.close()
+
+
+def _optimizer_name(config: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None) -> t.OptimizerName:
+    if isinstance(config, t.DimuonOptimizerConfig):
+        if config.version != 1:
+            raise ValueError(f"DimuonOptimizerConfig version {config.version} is not one Bios runs (1)")
+        return "dimuon"
+    if config is None or isinstance(config, t.AdamOptimizerConfig):
+        return "adamw"
+    raise TypeError(f"optimizer must be AdamOptimizerConfig or DimuonOptimizerConfig, got {type(config).__name__}")

@@ -81,8 +81,11 @@ class TrainingClient:
             lambda seq: m.ForwardBackward(self.model_id, seq, batch, loss_fn, config, forward_only)
         )
 
-    def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
-        """Apply the accumulated gradient with AdamW (defaults: `AdamParams()`), then clear it."""
+    def optim_step(
+        self, adam_params: t.AdamParams | t.DimuonParams | None = None
+    ) -> APIFuture[t.OptimStepResponse]:
+        """Apply the accumulated gradient with the run's optimizer, then clear it: `AdamParams` (default
+        `AdamParams()`) for AdamW, `DimuonParams` for a run created with `DimuonOptimizerConfig`."""
         params = adam_params if adam_params is not None else t.AdamParams()
         return self._request(lambda seq: m.OptimStep(self.model_id, seq, params))
 
@@ -97,7 +100,9 @@ class TrainingClient:
         """First await: accepted and ordered. Await the returned future for the result."""
         return await self._accepted(self.forward_backward(data, loss_fn, loss_fn_config))
 
-    async def optim_step_async(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
+    async def optim_step_async(
+        self, adam_params: t.AdamParams | t.DimuonParams | None = None
+    ) -> APIFuture[t.OptimStepResponse]:
         return await self._accepted(self.optim_step(adam_params))
 
     def forward_backward_custom(

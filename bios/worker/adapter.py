@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from bios.exceptions import BadRequestError
-from bios.types import LoraConfig
+from bios.types import LoraConfig, OptimizerName
 from bios.worker.targets import LoraTarget, from_peft_layout, lora_targets, peft_keys, to_peft_layout
 
 __all__ = ["AdapterState", "LoraTarget", "init_lora_weights", "lora_targets", "validate_lora_config"]
@@ -111,6 +111,7 @@ class AdapterState:
         self.scale = LORA_ALPHA / config.rank
         self.step = 0
         self.trainable = trainable
+        self.optimizer: OptimizerName = "adamw"  # which optimizer's state `exp_avg`/`exp_avg_sq` hold
         rank = config.rank
         total = sum(rank * (t.in_features + t.out_features) * max(1, t.num_experts) for t in targets)
         self.params = torch.zeros(total, dtype=torch.float32, device=device)
@@ -165,6 +166,15 @@ class AdapterState:
     def lora_pair(self, module_name: str) -> tuple[Tensor, Tensor]:
         """The (A [rank, in], B [out, rank]) views of `module_name`; KeyError if this adapter does not train it."""
         return self._pairs[module_name]
+
+    def pairs_in(self, flat: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """Views of `flat` (a buffer laid out like `params`: `grad`, `exp_avg`, ...) shaped as each target's (A, B)."""
+        base = self.params.storage_offset()
+        views = {}
+        for name, pair in self._pairs.items():
+            a, b = (flat[f.storage_offset() - base : f.storage_offset() - base + f.numel()].view(f.shape) for f in pair)
+            views[name] = (a, b)
+        return views
 
     def has_target(self, module_name: str) -> bool:
         return module_name in self._pairs

@@ -4,7 +4,8 @@ A checkpoint holds the LoRA matrices as numpy arrays under PEFT's key names (so 
 optionally the Adam moments and step count, and metadata that says how to rebuild the adapter: rank, alpha,
 seed, which layers it trains, and which base model it was trained on.
 
-Loading without the optimizer resets Adam: zero moments and step 0, so the next step is a bias-corrected
+The optimizer state is AdamW's moments or Dimuon's momentum (in `exp_avg`), as the metadata's `optimizer` says;
+it loads only into a run of the same optimizer. Loading without the optimizer resets it: zero moments and step 0, so the next step is a bias-corrected
 first step from the loaded weights, as in a fresh run. Loading with it continues exactly where the saved run
 stopped. Either way a load drops any gradient accumulated but not yet applied.
 """
@@ -20,7 +21,7 @@ from torch import nn
 
 from bios.exceptions import BadRequestError
 from bios.messages import CheckpointState
-from bios.types import BaseModelInfo, LoraConfig
+from bios.types import BaseModelInfo, LoraConfig, OptimizerName
 from bios.worker.adapter import AdapterState, lora_targets
 
 FORMAT = "bios-lora"
@@ -57,19 +58,23 @@ def export_state(
         "target_parameters": [target.module_name for target in adapter.targets if target.kind == "experts"],
         "fan_in_fan_out": any(target.kind == "conv1d" for target in adapter.targets),
         "step": adapter.step,
+        "optimizer": adapter.optimizer,
         "created": time.time(),
     }
     return CheckpointState(adapter=tensors, optimizer=optimizer, metadata=metadata)
 
 
 def restore_adapter(
-    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str
+    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str,
+    optimizer: OptimizerName = "adamw",
 ) -> AdapterState:
-    """A trainable adapter for `model` rebuilt from a checkpoint (see the module docstring for the optimizer).
+    """A trainable adapter of the run's `optimizer` for `model` rebuilt from a checkpoint (see the module
+    docstring for the optimizer state).
 
     Raises `BadRequestError` (field "path") if the checkpoint does not fit `model`.
     """
     adapter = _empty_adapter(model_id, model, state, device, trainable=True)
+    adapter.optimizer = optimizer
     load_into(adapter, state, with_optimizer=with_optimizer)
     return adapter
 
@@ -100,6 +105,13 @@ def load_into(adapter: AdapterState, state: CheckpointState, *, with_optimizer: 
             f"checkpoint (rank {metadata['rank']}, {len(metadata['target_modules'])} target layers) does not fit "
             f"run {adapter.model_id} (rank {adapter.config.rank}, {len(adapter.targets)} target layers): load it "
             "into a run created with the same LoRA config, or create a new run from it",
+            field="path",
+        )
+    saved_optimizer = metadata.get("optimizer", "adamw")
+    if with_optimizer and saved_optimizer != adapter.optimizer:
+        raise BadRequestError(
+            f"checkpoint holds {saved_optimizer} optimizer state, but run {adapter.model_id} trains with "
+            f"{adapter.optimizer}: load its weights only (load_state), or create a run from it with its optimizer",
             field="path",
         )
     optimizer = _optimizer_tensors(adapter, state) if with_optimizer else None

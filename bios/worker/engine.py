@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from bios import spec
 from bios.exceptions import BadRequestError
 from bios.kernels.adamw import adamw_step
-from bios.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse, TensorData
+from bios.kernels.dimuon import dimuon_step
+from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.losses import compute_loss, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
@@ -237,24 +238,37 @@ def discard_gradients(adapter: AdapterState) -> None:
     adapter.pending_grad.zero_()
 
 
-def optim_step(adapter: AdapterState, params: AdamParams, *, grad_norm: float | None = None) -> OptimStepResponse:
-    """One AdamW step on the committed gradient, which is then cleared for the next step. `grad_norm`: the whole
-    gradient's norm when this adapter holds only a tensor-parallel shard of it."""
+def optim_step(
+    adapter: AdapterState, params: AdamParams | DimuonParams, *, grad_norm: float | None = None
+) -> OptimStepResponse:
+    """One step of the run's optimizer (AdamW, or Dimuon for `DimuonParams`) on the committed gradient, which
+    is then cleared for the next step. `grad_norm`: the whole gradient's norm when this adapter holds only a
+    tensor-parallel shard of it (AdamW only: Dimuon needs whole factors)."""
     adapter.step += 1
-    grad_norm = adamw_step(
-        adapter.params,
-        adapter.grad,
-        adapter.exp_avg,
-        adapter.exp_avg_sq,
-        step=adapter.step,
-        lr=params.learning_rate,
-        beta1=params.beta1,
-        beta2=params.beta2,
-        eps=params.eps,
-        weight_decay=params.weight_decay,
-        grad_clip_norm=params.grad_clip_norm,
-        grad_norm=grad_norm,
-    )
+    if isinstance(params, DimuonParams):
+        if grad_norm is not None:
+            raise NotImplementedError("Dimuon on tensor-parallel shards: its matrix sign needs whole LoRA factors")
+        pairs = [adapter.pairs_in(buffer).values() for buffer in (adapter.params, adapter.grad, adapter.exp_avg)]
+        factors, grads, momenta = ([factor for pair in views for factor in pair] for views in pairs)
+        grad_norm = dimuon_step(factors, grads, momenta, adapter.grad, rank=adapter.config.rank,
+                                lr=params.learning_rate, beta1=params.beta1, damping=params.damping,
+                                rank_lr_correction_exponent=params.rank_lr_correction_exponent,
+                                grad_clip_norm=params.grad_clip_norm)
+    else:
+        grad_norm = adamw_step(
+            adapter.params,
+            adapter.grad,
+            adapter.exp_avg,
+            adapter.exp_avg_sq,
+            step=adapter.step,
+            lr=params.learning_rate,
+            beta1=params.beta1,
+            beta2=params.beta2,
+            eps=params.eps,
+            weight_decay=params.weight_decay,
+            grad_clip_norm=params.grad_clip_norm,
+            grad_norm=grad_norm,
+        )
     adapter.grad.zero_()
     return OptimStepResponse(
         metrics={"learning_rate:mean": params.learning_rate, "grad_norm:mean": grad_norm, "step:max": adapter.step}

@@ -240,7 +240,8 @@ class CycleExecutor:
             checkpoint = msg.restore.get(wanted_spec.model_id)
             if checkpoint is not None or wanted_spec.model_id not in self.pool.adapters:
                 self.pool.create(m.CreateModel("", 0, wanted_spec.base_model, wanted_spec.lora, state=checkpoint,
-                                               with_optimizer=True), model_id=wanted_spec.model_id,
+                                               with_optimizer=True, optimizer=wanted_spec.optimizer),
+                                 model_id=wanted_spec.model_id,
                                  seed=wanted_spec.lora.seed or 0)
         for model_id in sorted(wanted):
             state = self.pool.adapters[model_id].state
@@ -268,8 +269,8 @@ class CycleExecutor:
 
     def _closing_op(self, op: Any) -> Any:
         if isinstance(op, m.OptimStep):
-            spec.check_adam(op.adam_params)
             adapter = self.pool.adapter(op.model_id)
+            spec.check_optim_params(op.adam_params, adapter.state.optimizer)
             info = shard_info(adapter.base.model)
             if info is None:
                 return engine.optim_step(adapter.state, op.adam_params)

@@ -128,6 +128,9 @@ class ModelPool:
         base = self.base(op.base_model)
         info = shard_info(base.model)
         if info is not None:
+            if op.optimizer != "adamw":
+                raise NotImplementedError(f"the {op.optimizer} optimizer with tensor parallelism: its matrix sign "
+                                          "needs whole LoRA factors; train this model on workers without it")
             if op.state is not None:
                 state = restore_sharded_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
                                                 device=self.device)
@@ -139,9 +142,10 @@ class ModelPool:
             validate_lora_config(base.model, op.lora)
             if op.state is not None:
                 state = restore_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
-                                        device=self.device)
+                                        device=self.device, optimizer=op.optimizer)
             else:
                 state = AdapterState.create(model_id, base.model, op.lora, device=self.device)
+                state.optimizer = op.optimizer
             count = state.num_parameters()
         self.adapters[model_id] = Adapter(state, base, op.base_model)
         return m.ModelCreated(model_id, base.info, op.lora.rank, count)

@@ -567,15 +567,7 @@ def _gather_pairs(info: ShardInfo, name: str, pairs: Sequence[tuple[Tensor, Tens
 
 def _pairs_in(flat: Tensor, adapter: AdapterState) -> dict[str, tuple[Tensor, Tensor]]:
     """Views of `flat` (a buffer laid out like `adapter.params`) shaped as each target's (A, B)."""
-    base = adapter.params.storage_offset()
-    views = {}
-    for target in adapter.targets:
-        pair = []
-        for factor in adapter.lora_pair(target.module_name):
-            start = factor.storage_offset() - base
-            pair.append(flat[start : start + factor.numel()].view(factor.shape))
-        views[target.module_name] = (pair[0], pair[1])
-    return views
+    return adapter.pairs_in(flat)
 
 
 def _factor_spans(adapter: AdapterState, info: ShardInfo) -> list[tuple[slice, bool]]:
