@@ -21,7 +21,6 @@ from aiohttp import web
 
 from bios import ids
 from bios import messages as m
-from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.coordinator.server import Coordinator
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError
@@ -29,9 +28,10 @@ from bios.security.listen import InsecureListenError
 
 from . import json_wire, proto
 from .console import Console
-from .futures import PROTOBUF, Promises, Reply, json_reply
+from .futures import PROTOBUF, Promises, Reply
 from .http_io import API, CALLER, OWNER, errors, http_error, identify, json_body
 from .openai_api import OpenAICompat
+from .renders import Renders
 from .routes_account import AccountRoutes
 from .routes_checkpoints import CheckpointRoutes, check_ttl
 from .routes_futures import FutureRoutes
@@ -86,6 +86,7 @@ class Gateway:
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
         self.sessions = SessionRoutes(coordinator, urls)
         self.checkpoints = CheckpointRoutes(coordinator, urls)
+        self.renders = Renders(coordinator, self.sessions)
         self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator),
                          FutureRoutes(self.promises, self.config.poll_s), self.openai, self.console]
         self.url = ""
@@ -226,7 +227,7 @@ class Gateway:
         op, owner = json_wire.create_model(await json_body(request)), request[OWNER]
         self._check_session(op.session_id, owner)
         model_id = _model_id(op)
-        request_id = await self._submit(op, owner, self._render_created)
+        request_id = await self._submit(op, owner, self.renders.created)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     async def get_info(self, request: web.Request) -> web.Response:
@@ -245,21 +246,21 @@ class Gateway:
         except BadRequestError:
             self._consume(msg.model_id, msg.seq_id, request[OWNER])
             raise
-        request_id = await self._submit(op, request[OWNER], self._render_forward_backward)
+        request_id = await self._submit(op, request[OWNER], self.renders.forward_backward)
         return web.json_response({"request_id": request_id, "model_id": op.model_id})
 
     async def optim_step(self, request: web.Request) -> web.Response:
         return await self._ordered(request, await json_body(request),
-                                   lambda body: (json_wire.optim_step(body), self._render_optim_step))
+                                   lambda body: (json_wire.optim_step(body), self.renders.optim_step))
 
     async def save_weights(self, request: web.Request) -> web.Response:
         return await self._ordered(request, await json_body(request), lambda body: (
-            json_wire.save_weights(body), partial(self._render_saved, check_ttl(body.data.get("ttl_seconds")))))
+            json_wire.save_weights(body), partial(self.renders.saved, check_ttl(body.data.get("ttl_seconds")))))
 
     async def save_weights_external(self, request: web.Request) -> web.Response:
         return await self._ordered(request, await json_body(request), lambda body: (
             json_wire.save_weights_external(body),
-            partial(self._render_external_saved, check_ttl(body.data.get("ttl_seconds")))))
+            partial(self.renders.external_saved, check_ttl(body.data.get("ttl_seconds")))))
 
     async def create_custom_loss(self, request: web.Request) -> web.Response:
         return http_error(501, "server-side custom losses are not implemented in Bios yet (client/config says "
@@ -270,8 +271,8 @@ class Gateway:
         def parse(body: json_wire.Body) -> tuple[m.SaveWeights, Callable[[Any], Awaitable[Reply]]]:
             op, sampling_seq = json_wire.save_weights_for_sampler(body)
             if sampling_seq is None:
-                return op, partial(self._render_sampler_saved, check_ttl(body.data.get("ttl_seconds")))
-            return op, partial(self._render_sampling_session, request[OWNER], ids.session_of(op.model_id),
+                return op, partial(self.renders.sampler_saved, check_ttl(body.data.get("ttl_seconds")))
+            return op, partial(self.renders.sampling_session, request[OWNER], ids.session_of(op.model_id),
                                sampling_seq)
 
         return await self._ordered(request, await json_body(request), parse)
@@ -279,11 +280,11 @@ class Gateway:
     async def load_weights(self, request: web.Request) -> web.Response:
         body, owner = await json_body(request), request[OWNER]
         if body.data.get("session_id") is None:
-            return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self._render_loaded))
+            return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self.renders.loaded))
         op = json_wire.load_weights(body)
         self._check_session(op.session_id, owner)
         model_id = _model_id(op)
-        request_id = await self._submit(op, owner, partial(self._render_created_from, op.from_path))
+        request_id = await self._submit(op, owner, partial(self.renders.created_from, op.from_path))
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
     # ------------------------------------------------------------------------------------ sampling routes
@@ -309,7 +310,7 @@ class Gateway:
 
     async def asample(self, request: web.Request) -> web.Response:
         op, last_n = json_wire.sample(await json_body(request))
-        request_id = await self._submit(op, request[OWNER], partial(self._render_sample, last_n))
+        request_id = await self._submit(op, request[OWNER], partial(self.renders.sample, last_n))
         return web.json_response({"request_id": request_id,
                                   "sample_sequence_ids": [f"{request_id}:{i}" for i in range(op.num_samples)]})
 
@@ -334,70 +335,13 @@ class Gateway:
     async def _recover_promise(self, request_id: str, owner: str) -> None:
         """A request sent before the coordinator (and this gateway) restarted: its promise comes back from the
         request log, so the client's poll is answered, not refused."""
-        self.promises.expect(request_id, owner, self._render_any)
+        self.promises.expect(request_id, owner, self.renders.by_type)
         try:
             await self.front_door.watch(self.peer, request_id, owner)
         except (NotFoundError, BadRequestError):
             self.promises.forget(request_id)
         except BiosAPIError as exc:  # it was refused when it was sent: that is its answer
             self.promises.fail(request_id, RemoteError.from_exception(exc))
-
-    async def _render_any(self, result: Any) -> Reply:
-        """A result rendered by its type alone (for promises recovered after a restart)."""
-        renders: dict[type, Callable[[Any], Awaitable[Reply]]] = {
-            m.ModelCreated: self._render_created,
-            t.ForwardBackwardOutput: self._render_forward_backward,
-            t.OptimStepResponse: self._render_optim_step,
-            t.SaveWeightsResponse: partial(self._render_saved, None),
-            t.SaveWeightsForSamplerResponse: partial(self._render_sampler_saved, None),
-            t.LoadWeightsResponse: self._render_loaded,
-            t.SampleResponse: partial(self._render_sample, None),
-        }
-        return await renders[type(result)](result)
-
-    async def _render_created(self, created: m.ModelCreated) -> Reply:
-        return json_reply({"model_id": created.model_id, "type": "create_model"})
-
-    async def _render_created_from(self, path: str, created: m.ModelCreated) -> Reply:
-        return json_reply({"model_id": created.model_id, "path": json_wire.tinker_path(path), "type": "load_weights"})
-
-    async def _render_forward_backward(self, out: t.ForwardBackwardOutput) -> Reply:
-        return Reply(proto.forward_backward_output(out, json_wire.tinker_metrics(out.metrics)), PROTOBUF)
-
-    async def _render_optim_step(self, out: t.OptimStepResponse) -> Reply:
-        return json_reply({"metrics": json_wire.tinker_metrics(out.metrics)})
-
-    def _expire(self, path: str, ttl_seconds: int | None) -> None:
-        if ttl_seconds is not None:
-            self.coordinator.labels.set_ttl(path, ttl_seconds)
-
-    async def _render_saved(self, ttl_seconds: int | None, out: t.SaveWeightsResponse) -> Reply:
-        self._expire(out.path, ttl_seconds)
-        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights"})
-
-    async def _render_sampler_saved(self, ttl_seconds: int | None, out: t.SaveWeightsForSamplerResponse) -> Reply:
-        self._expire(out.path, ttl_seconds)
-        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_for_sampler"})
-
-    async def _render_external_saved(self, ttl_seconds: int | None, out: t.SaveWeightsForSamplerResponse) -> Reply:
-        self._expire(out.path, ttl_seconds)
-        return json_reply({"path": json_wire.tinker_path(out.path), "type": "save_weights_external"})
-
-    async def _render_sampling_session(self, owner: str, session_id: str, sampling_seq: int,
-                                       out: t.SaveWeightsForSamplerResponse) -> Reply:
-        """An unnamed save's result is a sampling session on its checkpoint: save_weights_and_get_sampling_client."""
-        query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
-        session = await self.front_door.query(query, owner)
-        self.sessions.opened_sampler(session_id, session.sampling_session_id)
-        return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
-                           "type": "save_weights_for_sampler"})
-
-    async def _render_loaded(self, out: t.LoadWeightsResponse) -> Reply:
-        return json_reply({"path": json_wire.tinker_path(out.path), "model_id": out.model_id, "type": "load_weights"})
-
-    async def _render_sample(self, last_n: int | None, out: t.SampleResponse) -> Reply:
-        return Reply(proto.sample_response(out, last_n), PROTOBUF)
-
 
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
