@@ -314,6 +314,7 @@ class GetInfoResponse:
     memory_plan: str | None = None  # how the workers hold the base model (plan, layout, memory estimate)
     base_dtype: str | None = None  # the frozen base weights' dtype on the workers ("bfloat16", "float32")
     lora_seed: int | None = None  # the adapter's initialisation seed: the user's, or the one chosen at creation
+    optimizer: OptimizerName = "adamw"
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,7 @@ class TrainingRun:
     last_request_time: float
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
+    optimizer: OptimizerName = "adamw"
 
 
 @dataclass(frozen=True)

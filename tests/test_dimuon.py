@@ -140,6 +140,7 @@ def test_two_workers_equal_one_and_the_tinker_sdk_equals_the_native_sdk(tmp_path
             tinker.ServiceClient(base_url=cluster.http_url, api_key="tml-test") as service:
         tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=21,
                                                  optimizer=tt.DimuonOptimizerConfig()).result()
+        assert tc.get_info().optimizer_config.type == "dimuon"
         with pytest.raises(tinker.BadRequestError, match="dimuon"):
             tc.optim_step(tt.AdamParams(learning_rate=1e-3)).result(60)
         reference = []

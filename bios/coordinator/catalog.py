@@ -18,6 +18,7 @@ from bios.messages import CheckpointState
 
 from .checkpoints import CheckpointStore
 from .disk import is_disk_full
+from .runs import from_stored_config
 from .store import Store, StoredCheckpoint, StoredRun
 
 _TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -105,6 +106,7 @@ class Catalog:
             last_request_time=run.last_request_time,
             last_checkpoint=as_checkpoint(training[-1]) if training else None,
             last_sampler_checkpoint=as_checkpoint(sampler[-1]) if sampler else None,
+            optimizer=from_stored_config(run.lora_config)[1],
         )
 
 

@@ -67,6 +67,7 @@ class Run:
             memory_plan=memory_plan,
             base_dtype=info.base_dtype if info else None,
             lora_seed=self.lora.seed,
+            optimizer=self.optimizer,
         )
 
     def enqueue(self, seq_id: int, item: Queued) -> None:

@@ -296,13 +296,18 @@ def _time(value: float) -> str:
     return datetime.fromtimestamp(value, timezone.utc).isoformat()
 
 
+def optimizer_config(optimizer: t.OptimizerName) -> dict[str, Any]:
+    """A run's optimizer as Tinker's `optimizer_config`."""
+    return {"type": "dimuon", "version": 1} if optimizer == "dimuon" else {"type": "adamw"}
+
+
 def get_info(info: t.GetInfoResponse) -> dict[str, Any]:
     return {
         "type": "get_info",
         "model_id": info.model_id,
         "model_data": {"arch": info.model_data.arch, "model_name": info.model_data.model_name,
                        "tokenizer_id": info.model_data.tokenizer_id},
-        "optimizer_config": {"type": "adamw"},
+        "optimizer_config": optimizer_config(info.optimizer),
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank,
         "model_name": info.model_name,
@@ -341,7 +346,7 @@ def training_runs(resp: t.TrainingRunsResponse) -> dict[str, Any]:
 
 
 def weights_info(run: t.TrainingRun) -> dict[str, Any]:
-    return {"base_model": run.base_model, "optimizer_config": {"type": "adamw"}, "is_lora": True,
+    return {"base_model": run.base_model, "optimizer_config": optimizer_config(run.optimizer), "is_lora": True,
             "lora_rank": run.lora_rank}
 
 
