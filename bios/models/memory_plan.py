@@ -20,6 +20,8 @@ multiples of 3, like SmolLM2's 9 query and 3 key/value heads). A model that fits
 MoE layers count every routed expert's weights and adapter but the activations of the token's active experts
 only; layouts this arithmetic does not know (GPT-2, Phi-3, MLA, MoE) take their weights from the safetensors
 headers when the model directory is at hand (`bios.models.model_shape`), and are not tensor-parallel split.
+A vision-language model adds its frozen image encoder to the weights and, to the activations, the encoder's
+working set over a pass whose every token is an image token (an upper bound: `bios.models.vision_shape`).
 
 Pure arithmetic on plain data (no torch, no Transformers), so the coordinator plans from a `config.json`
 (`model_shape`) while the worker keeps what needs a model (`bios.worker.memory_plan`).
@@ -268,7 +270,19 @@ def _weight_elements(shape: ModelShape, tp: int) -> int:
     norms = 2 * h + 2 * shape.head_dim  # input/post-attention norms (+ q/k norms of Qwen3: a rounding error)
     dense_layers = shape.num_layers - shape.moe_layers
     layers = dense_layers * ((attention + mlp) // tp) + shape.moe_layers * (attention // tp + experts)
-    return embeddings + layers + shape.num_layers * norms + h
+    return embeddings + layers + shape.num_layers * norms + h + _vision_parameters(shape)
+
+
+def _vision_parameters(shape: ModelShape) -> int:
+    if shape.vision is None:
+        return 0
+    if shape.vision.parameters is None:
+        raise ValueError(
+            "cannot count this vision-language model's image encoder from its config (only Qwen2-VL and "
+            "Qwen2.5-VL towers are known): plan it from its model directory, whose weight files give the count "
+            "(bios.models.model_shape.model_shape)"
+        )
+    return shape.vision.parameters
 
 
 def _lora_elements(shape: ModelShape, rank: int, tp: int) -> int:
@@ -323,10 +337,11 @@ def _activation_bytes(
     # One layer's backward: gradients of its I-sized and H-sized activations while its saved ones are live.
     width = max(shape.intermediate_size / tp, shape.experts_per_token * shape.expert_intermediate_size)
     backward = tokens * (3 * width + 3 * shape.hidden_size) * _FP32
+    vision = shape.vision.activation_bytes(tokens, _DTYPE_BYTES[dtype]) if shape.vision is not None else 0
     if checkpointing:
         kept = shape.num_layers * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _CHECKPOINT_FRAGMENTATION
-        return int(kept + max(dense, moe if shape.moe_layers else 0) + backward)
-    return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward)
+        return int(kept + max(dense, moe if shape.moe_layers else 0) + backward + vision)
+    return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward + vision)
 
 
 def _logits_bytes(shape: ModelShape, tokens: int, dtype: Dtype, fused: bool) -> int:

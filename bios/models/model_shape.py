@@ -4,7 +4,8 @@ Config fields differ between architectures (GPT-2's `n_embd`/`n_layer`/`n_head`/
 `num_experts` / `num_local_experts` / `n_routed_experts`, DeepSeek's `first_k_dense_replace`), so each dimension
 is looked up under every name transformers uses for it. A model directory's safetensors headers give its exact
 parameter count whatever the architecture; the planner uses that count when its own arithmetic (exact for
-Llama-family layouts) does not know the layout.
+Llama-family layouts) does not know the layout. A vision-language model's image encoder comes from its
+`vision_config` (`bios.models.vision_shape`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bios.exceptions import BadRequestError
+from bios.models.vision_shape import VisionTower, vision_tower
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -26,6 +28,7 @@ _UNSPLIT_LAYOUTS = {
     "gpt2": "its Conv1D attention and MLP layers have no tensor-parallel split",
     "phi3": "its fused qkv_proj and gate_up_proj layers have no tensor-parallel split",
 }
+_VISION_SPLIT_PROBLEM = "vision-language models are not tensor-parallel split (the shards hold no image processor)"
 _NAMES = {
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
@@ -57,12 +60,18 @@ class ModelShape:
     moe_layers: int = 0  # decoder layers with routed experts (the others are dense)
     split_problem: str | None = None  # why tensor parallelism cannot split this layout at all
     stored_parameters: int | None = None  # from the safetensors headers, for layouts the arithmetic does not know
+    vision: VisionTower | None = None  # a vision-language model's image encoder (frozen: LoRA is on the decoder)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelShape:
         """From the fields of a `config.json` (a multimodal config's `text_config` is the decoder's)."""
-        text = {**config, **config.get("text_config", {})}
-        return cls.from_config(_Fields(text, tie=config.get("tie_word_embeddings", False)))
+        text = {key: value for key, value in {**config, **config.get("text_config", {})}.items()
+                if key != "vision_config"}
+        shape = cls.from_config(_Fields(text, tie=config.get("tie_word_embeddings", False)))
+        if "vision_config" not in config:
+            return shape
+        return replace(shape, vision=vision_tower(config.get("model_type", ""), config["vision_config"]),
+                       split_problem=_VISION_SPLIT_PROBLEM)
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
@@ -87,7 +96,10 @@ class ModelShape:
             expert_width * int(getattr(text, "n_shared_experts", None) or 0))
         moe_layers = _moe_layer_count(text, layers) if experts else 0
         split_problem = _UNSPLIT_LAYOUTS.get(model_type)
-        if experts:
+        vision = _vision_of(config)
+        if vision is not None:
+            split_problem = _VISION_SPLIT_PROBLEM
+        elif experts:
             split_problem = "its routed experts have no tensor-parallel split (expert parallelism is not implemented)"
         elif getattr(text, "kv_lora_rank", None):
             split_problem = "its multi-head latent attention projections have no tensor-parallel split"
@@ -109,6 +121,7 @@ class ModelShape:
             shared_intermediate_size=shared,
             moe_layers=moe_layers,
             split_problem=split_problem,
+            vision=vision,
         )
 
     @property
@@ -144,6 +157,14 @@ class ModelShape:
             if count % tp:
                 return f"its {count} {what} do not split evenly over {tp} workers"
         return None
+
+
+def _vision_of(config: Any) -> VisionTower | None:
+    """The image encoder of a Transformers config with a `vision_config` (`from_dict` reads a config.json's)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return None
+    return vision_tower(config.model_type, vision if isinstance(vision, Mapping) else vision.to_dict())
 
 
 def _moe_layer_count(text: Any, layers: int) -> int:
