@@ -203,6 +203,7 @@ class ModelCreated:
     info: t.BaseModelInfo
     lora_rank: int
     num_lora_parameters: int
+    lora_targets: list[t.LoraTargetGroup] = field(default_factory=list)  # what the adapter trains
 
 
 # ------------------------------------------------------------------------------------------ queries

@@ -305,6 +305,18 @@ class ModelData:
 
 
 @dataclass(frozen=True)
+class LoraTargetGroup:
+    """Weights of one kind that an adapter trains, summarised over layers: `pattern` is their module path with
+    layer indices as `*` (`model.layers.*.self_attn.q_proj`), `modules` how many paths match it."""
+
+    pattern: str
+    role: Literal["attn", "mlp", "unembed"]
+    kind: Literal["linear", "conv1d", "experts"]  # nn.Linear, transformers Conv1D, 3D routed-expert weights
+    modules: int
+    experts: int = 0  # routed experts per module, each with its own A and B (0: not an experts weight)
+
+
+@dataclass(frozen=True)
 class GetInfoResponse:
     model_id: str
     model_data: ModelData
@@ -315,6 +327,8 @@ class GetInfoResponse:
     base_dtype: str | None = None  # the frozen base weights' dtype on the workers ("bfloat16", "float32")
     lora_seed: int | None = None  # the adapter's initialisation seed: the user's, or the one chosen at creation
     optimizer: OptimizerName = "adamw"
+    # What the adapter trains; None for a run restored from the coordinator's state dir (not stored there).
+    lora_targets: list[LoraTargetGroup] | None = None
 
 
 @dataclass(frozen=True)

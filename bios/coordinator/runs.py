@@ -53,6 +53,7 @@ class Run:
     in_flight: list[tuple[int, Queued]] = field(default_factory=list)
     progressed_at: float = field(default_factory=time.monotonic)  # when its next request last came or ran
     optimizer: t.OptimizerName = "adamw"  # chosen at creation
+    lora_targets: list[t.LoraTargetGroup] | None = None  # what its adapter trains, as the worker created it
 
     def describe(self, memory_plan: str | None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base."""
@@ -68,6 +69,7 @@ class Run:
             base_dtype=info.base_dtype if info else None,
             lora_seed=self.lora.seed,
             optimizer=self.optimizer,
+            lora_targets=self.lora_targets,
         )
 
     def enqueue(self, seq_id: int, item: Queued) -> None:

@@ -270,7 +270,7 @@ class Scheduler(Actor):
             if error is not None:
                 await self._drop_run(run, error)
             elif isinstance(result, m.ModelCreated):
-                run.info, run.status = result.info, "ready"
+                run.info, run.status, run.lora_targets = result.info, "ready", result.lora_targets
                 self.base_infos[run.base_model] = result.info
                 self.store.set_run_status(run.model_id, "ready", dataclasses.asdict(result.info))
         self.answers.append(m.ItemDone(done.cycle_id, request_id, result, error))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-
+import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
@@ -311,6 +311,8 @@ def get_info(info: t.GetInfoResponse) -> dict[str, Any]:
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank,
         "model_name": info.model_name,
+        # Bios's own: the tinker SDK's GetInfoResponse ignores fields it does not know (extra="ignore").
+        "lora_targets": None if info.lora_targets is None else [dataclasses.asdict(g) for g in info.lora_targets],
     }
 
 

@@ -27,6 +27,7 @@ from .adapter import AdapterState, validate_lora_config
 from .checkpoint import restore_adapter, sampler_adapter
 from .lora import attach_lora
 from .memory_plan import enable_activation_checkpointing
+from .targets import target_groups
 from .tensor_parallel import (
     create_sharded_adapter,
     full_parameter_count,
@@ -148,7 +149,7 @@ class ModelPool:
                 state.optimizer = op.optimizer
             count = state.num_parameters()
         self.adapters[model_id] = Adapter(state, base, op.base_model)
-        return m.ModelCreated(model_id, base.info, op.lora.rank, count)
+        return m.ModelCreated(model_id, base.info, op.lora.rank, count, target_groups(base.model, op.lora))
 
     @staticmethod
     def _shared_seed(lora: t.LoraConfig) -> int:

@@ -14,6 +14,7 @@ A module counts as attention when its path mentions "attn"/"attention", as the o
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,13 +23,14 @@ from transformers.pytorch_utils import Conv1D
 
 from bios import peft_layout as layout
 from bios.exceptions import BadRequestError
-from bios.types import LoraConfig
+from bios.types import LoraConfig, LoraTargetGroup
 from bios.worker.vision import in_vision_tower
 
 Kind = Literal["linear", "conv1d", "experts"]
 Role = Literal["attn", "mlp", "unembed"]
 
 _ROLE_FLAG = {"attn": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed"}
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a numeric path component: a layer's (or expert's) index
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,20 @@ def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
                 field=flag,
             )
     return [entry.target for entry in found if getattr(config, _ROLE_FLAG[entry.role])]
+
+
+def target_groups(model: nn.Module, config: LoraConfig) -> list[LoraTargetGroup]:
+    """What `lora_targets(model, config)` trains, for `get_info()`: one group per module path with its layer
+    indices as `*` and the same role, kind and expert count, in module order."""
+    trained = {target.module_name for target in lora_targets(model, config)}
+    groups: dict[tuple[str, Role, Kind, int], int] = {}
+    for entry in _discover(model)[0]:
+        target = entry.target
+        if target.module_name in trained:
+            key = (_LAYER_INDEX.sub("*", target.module_name), entry.role, target.kind, target.num_experts)
+            groups[key] = groups.get(key, 0) + 1
+    return [LoraTargetGroup(pattern, role, kind, count, experts)
+            for (pattern, role, kind, experts), count in groups.items()]
 
 
 def peft_keys(targets: list[LoraTarget]) -> dict[str, tuple[str, str]]:
