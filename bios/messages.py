@@ -94,6 +94,7 @@ class ForwardBackward:
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
     forward_only: bool = False
+    custom_loss: t.CustomLoss | None = None  # for loss_fn "custom": the graph to run (checked at acceptance)
 
 
 @dataclass(frozen=True)

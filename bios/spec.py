@@ -21,10 +21,12 @@ import numpy as np
 
 from bios import images
 from bios import types as t
+from bios.custom_loss import check_custom_loss
 from bios.exceptions import BadRequestError
 
 MAX_SEED = 2**63 - 1  # seeds travel as int64 (LoRA init, sampling generators)
 MAX_SAMPLES_PER_REQUEST = 128
+CUSTOM_LOSS = "custom"  # the loss_fn of a forward_backward that runs a custom loss graph (Tinker's name)
 MAX_PROMPT_TOPK = 1024  # topk_prompt_logprobs / prompt_alt_tokens_k: a (prompt, k) table each
 MAX_ADDITIVE_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range [-2, 2]
 MAX_LORA_RANK = 512
@@ -134,17 +136,33 @@ def loss_config(loss_fn: str, config: Mapping[str, Any] | None) -> dict[str, flo
 
 
 def check_forward(data: Sequence[t.Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None,
-                  limits: ModelLimits | None) -> int:
-    """A forward / forward_backward batch; returns its token count. `limits` (when known) adds vocab and context."""
-    loss_config(loss_fn, loss_fn_config)
+                  limits: ModelLimits | None, custom_loss: t.CustomLoss | None = None) -> int:
+    """A forward / forward_backward batch; returns its token count. `limits` (when known) adds vocab and context.
+    Loss "custom" runs `custom_loss`, a graph checked against `bios.custom_loss`'s allow-list."""
+    if custom_loss is None and loss_fn != CUSTOM_LOSS:
+        loss_config(loss_fn, loss_fn_config)
+        spec = loss_spec(loss_fn)
+    else:
+        spec = _custom_loss_spec(loss_fn, loss_fn_config, custom_loss)
     if not data:
         raise BadRequestError("data is empty: send at least one Datum", field="data")
-    return sum(check_datum(i, datum, loss_fn, limits) for i, datum in enumerate(data))
+    return sum(check_datum(i, datum, spec, limits) for i, datum in enumerate(data))
 
 
-def check_datum(i: int, datum: t.Datum, loss_fn: str, limits: ModelLimits | None) -> int:
-    """One datum of a batch for `loss_fn`; returns its token count."""
-    spec = loss_spec(loss_fn)
+def _custom_loss_spec(loss_fn: str, config: Mapping[str, Any] | None, loss: t.CustomLoss | None) -> LossSpec:
+    if loss_fn != CUSTOM_LOSS or loss is None:
+        raise BadRequestError(f"loss_fn {CUSTOM_LOSS!r} comes with a custom loss graph, and a graph only with loss_fn "
+                              f"{CUSTOM_LOSS!r}; got loss_fn {loss_fn!r}", field="loss_fn")
+    if config:
+        raise BadRequestError("a custom loss takes no loss_fn_config: its inputs are loss_fn_inputs",
+                              field="loss_fn_config")
+    check_custom_loss(loss)
+    return LossSpec(CUSTOM_LOSS, ("target_tokens", *(i.name for i in loss.inputs[1:] if i.rank == 1)))
+
+
+def check_datum(i: int, datum: t.Datum, spec: LossSpec, limits: ModelLimits | None) -> int:
+    """One datum of a batch for the loss `spec`; returns its token count."""
+    loss_fn = spec.name
     where = f"data[{i}]"
     n = check_model_input(datum.model_input, f"{where}.model_input", limits)
     inputs = datum.loss_fn_inputs

@@ -150,6 +150,35 @@ class Datum:
 
 
 @dataclass(frozen=True)
+class CustomLossInput:
+    """One input of a custom loss: `logprobs` (first) or a `loss_fn_inputs` key, with its rank (0, 1: [T], 2)."""
+
+    name: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class CustomLossNode:
+    """One torch.fx node as the tinker SDK encodes it (`tinker.types.CustomLossNode`): plain data, never code."""
+
+    op: str
+    name: str
+    target: str
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CustomLoss:
+    """A traced per-datum loss `(logprobs, *inputs) -> (loss, metrics)`; `bios.custom_loss` says what it may do."""
+
+    name: str
+    inputs: list[CustomLossInput]
+    nodes: list[CustomLossNode]
+    format: int = 1
+
+
+@dataclass(frozen=True)
 class AdamParams:
     learning_rate: float = 1e-4
     beta1: float = 0.9

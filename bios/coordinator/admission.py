@@ -217,7 +217,8 @@ class Admission:
         if isinstance(op, m.ForwardBackward):
             data = [dataclasses.replace(datum, model_input=_read_images(datum.model_input, f"data[{i}].model_input"))
                     for i, datum in enumerate(op.data)]
-            spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos))
+            spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos),
+                               op.custom_loss)
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
             return dataclasses.replace(op, data=data)
         elif isinstance(op, m.OptimStep):

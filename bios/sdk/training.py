@@ -67,18 +67,21 @@ class TrainingClient:
         return self._forward(data, loss_fn, loss_fn_config, forward_only=True)
 
     def forward_backward(
-        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None,
+        *, custom_loss: t.CustomLoss | None = None,
     ) -> APIFuture[t.ForwardBackwardOutput]:
-        """Accumulate the gradient of the summed loss over `data`; applied by the next `optim_step`."""
-        return self._forward(data, loss_fn, loss_fn_config, forward_only=False)
+        """Accumulate the gradient of the summed loss over `data`; applied by the next `optim_step`.
+        `loss_fn="custom"` runs `custom_loss` (a traced graph, see `bios.custom_loss`) on the workers."""
+        return self._forward(data, loss_fn, loss_fn_config, forward_only=False, custom_loss=custom_loss)
 
     def _forward(
-        self, data: Sequence[t.Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None, *, forward_only: bool
+        self, data: Sequence[t.Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None, *, forward_only: bool,
+        custom_loss: t.CustomLoss | None = None,
     ) -> APIFuture[t.ForwardBackwardOutput]:
         batch = list(data)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
         return self._request(
-            lambda seq: m.ForwardBackward(self.model_id, seq, batch, loss_fn, config, forward_only)
+            lambda seq: m.ForwardBackward(self.model_id, seq, batch, loss_fn, config, forward_only, custom_loss)
         )
 
     def optim_step(

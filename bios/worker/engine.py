@@ -20,6 +20,7 @@ from bios.kernels.adamw import adamw_step
 from bios.kernels.dimuon import dimuon_step
 from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
+from bios.worker.custom_loss import CompiledLoss
 from bios.worker.losses import compute_loss, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 from bios.worker.vision import ImageReader, RowImages
@@ -37,6 +38,13 @@ class ForwardItem:
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
     forward_only: bool = False
+    custom_loss: CompiledLoss | None = None  # for loss_fn "custom": the session's checked graph
+
+    def loss(self, logprobs: Tensor, inputs: dict[str, Tensor]) -> Tensor:
+        """One datum's summed loss under this item's loss."""
+        if self.custom_loss is not None:
+            return self.custom_loss(logprobs, inputs)[0]
+        return compute_loss(self.loss_fn, logprobs, inputs, self.loss_fn_config)
 
 
 @dataclass
@@ -71,7 +79,8 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem], reader: ImageReade
     rows = []
     for item_index, item in enumerate(items):
         try:
-            spec.loss_config(item.loss_fn, item.loss_fn_config)
+            if item.custom_loss is None:
+                spec.loss_config(item.loss_fn, item.loss_fn_config)
         except BadRequestError as error:
             raise ValueError(f"item {item_index} ({item.adapter.model_id}): {error.message}") from None
         for datum_index, datum in enumerate(item.data):
@@ -86,7 +95,10 @@ def _prepare_rows(model: nn.Module, items: list[ForwardItem], reader: ImageReade
                 raise ValueError(f"{where}: model_input has no tokens")
             inputs = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
             try:
-                validate_inputs(item.loss_fn, inputs, tokens.numel())
+                if item.custom_loss is not None:
+                    item.custom_loss.check_inputs(inputs, tokens.numel())
+                else:
+                    validate_inputs(item.loss_fn, inputs, tokens.numel())
             except BadRequestError as error:
                 raise ValueError(f"{where}: {error.message}") from None
             targets = inputs["target_tokens"]
@@ -174,8 +186,7 @@ def _run_pass(
             logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
         per_row = list(torch.split(logprobs, lengths))
         losses = [
-            compute_loss(items[row.item].loss_fn, row_logprobs, row.inputs, items[row.item].loss_fn_config)
-            for row, row_logprobs in zip(rows, per_row)
+            items[row.item].loss(row_logprobs, row.inputs) for row, row_logprobs in zip(rows, per_row)
         ]
         stacked = torch.stack(losses)
         if backward:

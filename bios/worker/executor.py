@@ -34,6 +34,7 @@ from . import engine
 from .adapter import AdapterState
 from .checkpoint import export_state, load_into
 from .collectives import CollectiveError, CollectiveGroup
+from .custom_loss import CompiledLoss
 from .pool import Adapter, ModelPool
 from .sampling import SampleItem, generate
 from .vision import image_reader
@@ -125,7 +126,7 @@ class CycleExecutor:
             try:
                 adapter = self.pool.adapter(item.op.model_id)
                 op = item.op
-                spec.check_forward(op.data, op.loss_fn, op.loss_fn_config, adapter.base.info)
+                spec.check_forward(op.data, op.loss_fn, op.loss_fn_config, adapter.base.info, op.custom_loss)
             except Exception as exc:
                 report(_failed(cycle_id, item, exc))
                 continue
@@ -169,8 +170,9 @@ class CycleExecutor:
                                      self.group.replica)
             slots.append(end > start)
             if end > start:
+                custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
                 batch.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
-                                                op.forward_only))
+                                                op.forward_only, custom))
         base = group[0][1]
         try:
             outputs = iter(engine.forward_backward(base.base.model, batch,
