@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bios import images, model_input
+from bios import account, images, model_input
 from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.transport.codec import Codec, DecodeError, Limits
@@ -570,7 +570,7 @@ def _tensor_data_from_wire(value: Any) -> t.TensorData:
 def make_codec(limits: Limits | None = None) -> Codec:
     """The codec every Bios process speaks: all public types, all messages, remote errors."""
     codec = Codec(limits=limits)
-    for module in (t, model_input, images, sys.modules[__name__]):
+    for module in (t, model_input, images, account, sys.modules[__name__]):
         for obj in vars(module).values():
             if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__:
                 codec.register(obj)

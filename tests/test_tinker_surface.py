@@ -59,8 +59,9 @@ def drain(coro: Any) -> Any:
 
 
 class Keyed:
-    def __init__(self, url: str, state_dir, alice: str, bob: str, admin: str) -> None:
-        self.url, self.state_dir, self.alice, self.bob, self.admin = url, state_dir, alice, bob, admin
+    def __init__(self, cluster: bios.LocalCluster, alice: str, bob: str, admin: str) -> None:
+        self.url, self.address, self.state_dir = cluster.http_url, cluster.address, cluster.state_dir
+        self.alice, self.bob, self.admin = alice, bob, admin
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def keyed(tmp_path_factory):
     keys.close()
     with bios.LocalCluster(state_dir=state_dir, http="127.0.0.1:0", worker_threads=1,
                            env={"BIOS_GATEWAY_POLL_S": "2"}) as cluster:
-        yield Keyed(cluster.http_url, state_dir, alice, bob, admin)
+        yield Keyed(cluster, alice, bob, admin)
 
 
 def neg_ll(logprobs, weights):
@@ -363,6 +364,26 @@ def test_usage_audit_and_sessions_are_scoped_to_their_key(keyed):
     audit = bob.get_audit_log().result().entries
     assert {e.event_details["owner"] for e in audit} == {bob_id}
     assert {"api_key_created", "training_run_created"} <= {e.event for e in audit}
+
+    # the native SDK reads the same records
+    native = bios.ServiceClient(address=keyed.address, api_key=keyed.bob.removeprefix("tml-"))
+    try:
+        native_rest = native.create_rest_client()
+        window = (datetime.fromisoformat(start).timestamp(), datetime.fromisoformat(end).timestamp())
+        native_totals: dict[str, float] = {}
+        for bucket in native_rest.get_billing_usage(*window).result(60).buckets:
+            native_totals[bucket.kind] = native_totals.get(bucket.kind, 0.0) + bucket.quantity
+        assert {k: v for k, v in native_totals.items() if k != "storage"} == {
+            k: v for k, v in totals.items() if k != "storage"}
+        assert [(s.owner, s.checkpoint_count, s.size_bytes) for s in
+                native_rest.get_current_checkpoint_storage_usage().result(60).items] == [(bob_id, 1, size)]
+        assert {e.event for e in native_rest.get_audit_log().result(60).entries} == {e.event for e in audit}
+        path = checkpoints.checkpoints[0].tinker_path
+        native_rest.publish_checkpoint(path).result(60)
+        assert _checkpoint(tinker.RestClient(base_url=keyed.url, api_key=keyed.bob), path).public
+        assert native_rest.set_checkpoint_ttl(path, 3600).result(60).expires_at > time.time() + 3500
+    finally:
+        native.close()
 
     alice = tinker.AdminClient(base_url=keyed.url, api_key=keyed.alice)
     assert bob_id not in {e.user_id for e in alice.get_billing_usage(start, end).result().data}

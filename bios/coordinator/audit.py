@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from bios.account import AuditEntry
 from bios.exceptions import BadRequestError
 from bios.security.keys import KeyInfo
 
@@ -47,14 +47,6 @@ CATEGORIES = {  # Tinker's `event_type` filter -> the events it selects
     "organizations": ("api_key_",),
     "teams": (),
 }
-
-
-@dataclass(frozen=True)
-class AuditEntry:
-    time: float
-    owner: str
-    event: str  # <resource>_<action>, as Tinker names them
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 class AuditLog:

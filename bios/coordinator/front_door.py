@@ -21,6 +21,7 @@ from bios.transport.sockets import next_message_id
 
 from . import mailbox as sched
 from .admission import Submit
+from .queries import ACCOUNT_TYPES
 from .queries import QUERY_TYPES as READ_QUERIES
 from .queries import Queries
 from .store import Store
@@ -81,6 +82,10 @@ class FrontDoor:
             del self.seen[session_id]
         return expired
 
+    def expire_checkpoints(self) -> list[str]:
+        """Delete the checkpoints past their TTL; returns their paths."""
+        return self.queries.expire_checkpoints()
+
     def sessions(self, owner: str) -> list[str]:
         return self.queries.sessions(owner)
 
@@ -122,9 +127,9 @@ class FrontDoor:
             return asyncio.ensure_future(self.status())
         raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
 
-    def read_any_owner(self, body: m.ListRunSummaries | m.GetTrainingRunMetrics | m.ListCheckpoints) -> Any:
-        """A read-only query over every key's runs: the console's admin view."""
-        if not isinstance(body, (m.ListRunSummaries, m.GetTrainingRunMetrics, m.ListCheckpoints)):
+    def read_any_owner(self, body: Any) -> Any:
+        """A read-only query over every key's runs, usage and audit log: the admin's view."""
+        if not isinstance(body, (m.ListRunSummaries, m.GetTrainingRunMetrics, m.ListCheckpoints, *ACCOUNT_TYPES)):
             raise BadRequestError(f"{type(body).__name__} is not a read-only listing", field="kind")
         return self.queries.answer(None, body)
 

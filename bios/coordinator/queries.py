@@ -6,27 +6,42 @@ They need nothing the scheduler holds in memory, so they never wait behind a cyc
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
+from bios import account as a
 from bios import messages as m
 from bios import types as t
-from bios.exceptions import BadRequestError, NotFoundError
+from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
+from bios.security.keys import KeyInfo
 
+from .audit import AuditLog
 from .catalog import Catalog
 from .history import RunHistory
+from .labels import Labels
 from .store import Store, StoredRun
 from .trace import RequestTimeline
+from .usage import Usage
 
+log = logging.getLogger(__name__)
+
+ACCOUNT_TYPES = (a.GetUsage, a.GetAuditLog, a.GetCheckpointStorage)  # reads the admin may make over every key
 QUERY_TYPES = (m.ListTrainingRuns, m.GetTrainingRun, m.ListCheckpoints, m.DeleteCheckpoint, m.FetchCheckpoint,
-               m.GetTrainingRunMetrics, m.ListRunSummaries, m.GetRunTrace)
+               m.GetTrainingRunMetrics, m.ListRunSummaries, m.GetRunTrace, a.PublishCheckpoint, a.SetCheckpointTTL,
+               *ACCOUNT_TYPES)
 
 
 class Queries:
-    def __init__(self, store: Store, catalog: Catalog) -> None:
+    def __init__(self, store: Store, catalog: Catalog, keys: Callable[[], list[KeyInfo]] = list) -> None:
         self.store = store
         self.catalog = catalog
+        self.keys = keys  # the cluster's API keys, for their creation and revocation in the audit log
         self.history = RunHistory(store.db)
         self.timeline = RequestTimeline(store.db)
+        self.labels = Labels(store)
+        self.usage = Usage(store)
+        self.audit = AuditLog(store.db)
 
     def answer(self, owner: str | None, body: Any) -> Any:
         if isinstance(body, m.ListTrainingRuns):
@@ -50,10 +65,39 @@ class Queries:
         if isinstance(body, m.GetRunTrace):
             run = self.run(body.training_run_id, owner)
             return m.RunTrace(run.model_id, self.timeline.of_run(run.model_id))
+        if isinstance(body, a.PublishCheckpoint):
+            record = self.catalog.find(body.path, owner)
+            self.labels.publish(record.path, body.public)
+            self.audit.record(record.owner, "checkpoint_published" if body.public else "checkpoint_unpublished",
+                              path=record.path)
+            return m.Ack()
+        if isinstance(body, a.SetCheckpointTTL):
+            ttl = a.check_ttl(body.ttl_seconds)
+            record = self.catalog.find(body.path, owner)
+            expires = self.labels.set_ttl(record.path, ttl)
+            self.audit.record(record.owner, "checkpoint_ttl_set", path=record.path, expires_at=expires)
+            return a.CheckpointTTL(record.path, expires)
+        if isinstance(body, a.GetUsage):
+            return a.UsageReport(self.usage.buckets(owner, body.start, body.end))
+        if isinstance(body, a.GetAuditLog):
+            return a.AuditReport(self.audit.entries(owner, body.start, body.end, body.event_type, self.keys()))
+        if isinstance(body, a.GetCheckpointStorage):
+            return a.StorageReport(self.usage.stored_now(owner))
         if isinstance(body, m.ListRunSummaries):
             runs = self.store.list_runs(owner)
             return m.RunSummaries([self.summary(r) for r in runs[body.offset: body.offset + body.limit]], len(runs))
         raise BadRequestError(f"{type(body).__name__} is not a read query", field="kind")
+
+    def expire_checkpoints(self) -> list[str]:
+        """Delete every checkpoint past its TTL; returns their paths."""
+        gone = []
+        for path, owner in self.labels.expired():
+            try:
+                self.catalog.delete(path, owner)
+                gone.append(path)
+            except BiosAPIError as exc:  # e.g. a full disk: the next sweep tries again
+                log.warning("expired checkpoint %s not deleted: %s", path, exc.message)
+        return gone
 
     def summary(self, run: StoredRun) -> m.RunSummary:
         last = self.history.last(run.model_id)

@@ -26,7 +26,7 @@ from bios.exceptions import (
     ReconnectRequired,
     RequestFailedError,
 )
-from bios.security.keys import KeyStore
+from bios.security.keys import KeyInfo, KeyStore
 from bios.security.limits import QuotaLedger, Quotas
 from bios.security.listen import check_listen
 from bios.security.zap import CLIENT_DOMAIN, WORKER_DOMAIN, ZapHandler
@@ -140,7 +140,7 @@ class Coordinator:
             name="scheduler",
             policy=Policy.RESUME,
         )
-        self.front_door = FrontDoor(self.store, self.scheduler, Queries(self.store, self.catalog), self.ledger,
+        self.front_door = FrontDoor(self.store, self.scheduler, Queries(self.store, self.catalog, self._keys), self.ledger,
                                     self.codec, self._capabilities, self._status)
         self.runner = CycleRunner(
             self.scheduler, self.clock, self.membership, self._send_to_worker,
@@ -296,6 +296,9 @@ class Coordinator:
     async def refresh_metrics(self) -> None:
         """Bring the state gauges (workers, queues, busy fraction) up to date before a scrape."""
         self.metrics.observe_status(await self._status(), await self.scheduler.ask(QueueDepth(by_pool=True)))
+
+    def _keys(self) -> list[KeyInfo]:
+        return [] if self.keys is None else self.keys.list()
 
     def _capabilities(self) -> t.GetServerCapabilitiesResponse:
         names = sorted({name for member in self.membership.alive() for name in member.models})

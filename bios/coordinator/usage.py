@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from bios import ids
 from bios import messages as m
 from bios import types as t
+from bios.account import StoredNow, UsageBucket
 from bios.exceptions import RequestFailedError
 
 from .disk import is_disk_full
@@ -60,28 +60,6 @@ INSERT INTO checkpoint_storage
 """
 
 TRAINING, PREFILL, SAMPLE = "training", "sampling_prefill", "sampling_sample"
-
-
-@dataclass(frozen=True)
-class UsageBucket:
-    """One hour of one kind of usage for one key, session and base model (Tinker's `BillingUsageEvent`)."""
-
-    bucket_start: float
-    owner: str
-    session_id: str | None
-    base_model: str | None
-    kind: str  # training | sampling_prefill | sampling_sample | checkpoint | storage
-    quantity: float  # tokens, checkpoints saved, or gigabyte-hours
-
-
-@dataclass(frozen=True)
-class StoredNow:
-    """A key's checkpoints as they are now."""
-
-    owner: str
-    project_id: str | None  # the session's project label; None when it has none
-    checkpoint_count: int
-    size_bytes: int
 
 
 class Usage:

@@ -61,7 +61,8 @@ class Watchdog:
             await self.scheduler.ask(ExpireGaps(self.seq_gap_s))
 
     async def watch_progress(self) -> None:
-        """Report queues that make no progress and close sessions nobody heard from for the session timeout."""
+        """Report queues that make no progress, close sessions nobody heard from for the session timeout and
+        delete checkpoints whose TTL ran out."""
         interval = min(PROGRESS_EVERY_S, self.stalled_after_s / 2)
         while True:
             await asyncio.sleep(interval)
@@ -73,3 +74,5 @@ class Watchdog:
                 await self.scheduler.ask(NotifyWaiting(NO_WORKER))
             for session_id in self.front_door.expire_sessions(self.session_timeout_s):
                 log.info("session %s closed: nothing heard from it for %.0fs", session_id, self.session_timeout_s)
+            for path in self.front_door.expire_checkpoints():
+                log.info("checkpoint %s deleted: its TTL ran out", path)

@@ -16,10 +16,11 @@ from typing import Any
 
 from aiohttp import web
 
-from bios.coordinator.audit import AuditEntry
+from bios import account as a
+from bios.account import AuditEntry, UsageBucket
 from bios.coordinator.labels import DEFAULT_PROJECT
 from bios.coordinator.server import Coordinator
-from bios.coordinator.usage import GIGABYTE, HOUR, UsageBucket
+from bios.coordinator.usage import GIGABYTE, HOUR
 from bios.exceptions import BadRequestError, NotFoundError
 
 from .http_io import API, CALLER, Caller, http_error, query_time, rfc3339
@@ -31,8 +32,7 @@ DAY = 86400.0
 class AccountRoutes:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.usage = coordinator.usage
-        self.audit = coordinator.audit
+        self.front_door = coordinator.front_door
         self.labels = coordinator.labels
 
     def routes(self) -> list[web.RouteDef]:
@@ -85,9 +85,14 @@ class AccountRoutes:
         except ValueError:
             raise BadRequestError(f"day must be YYYY-MM-DD, got {raw_day!r}", field="day") from None
         start = datetime(day.year, day.month, day.day, tzinfo=timezone.utc).timestamp()
-        keys = self.coordinator.keys.list() if self.coordinator.keys is not None else []
-        entries = self.audit.entries(caller.scope, start, start + DAY, request.query.get("event_type", "all"), keys)
-        return web.json_response({"entries": [_audit_json(e) for e in entries]})
+        query = a.GetAuditLog(start, start + DAY, request.query.get("event_type", "all"))
+        report = await self._read(query, caller)
+        return web.json_response({"entries": [_audit_json(e) for e in report.entries]})
+
+    async def _read(self, query: Any, caller: Caller) -> Any:
+        """The caller's records; every key's for the admin."""
+        return self.front_door.read_any_owner(query) if caller.admin else await self.front_door.query(query,
+                                                                                                      caller.owner)
 
     # ------------------------------------------------------------------------------------ usage
 
@@ -99,7 +104,7 @@ class AccountRoutes:
                                   field="ending_before")
         if start > time.time():
             raise BadRequestError("starting_on must not be in the future", field="starting_on")
-        buckets = self.usage.buckets(caller.scope, start, end)
+        buckets = (await self._read(a.GetUsage(start, end), caller)).buckets
         sessions = {s.session_id: s for s in self.labels.sessions(caller.scope)}
         data = [_usage_json(b, sessions.get(b.session_id or "")) for b in buckets]
         used = {b.session_id for b in buckets if b.session_id in sessions}
@@ -109,7 +114,7 @@ class AccountRoutes:
     async def storage_now(self, request: web.Request) -> web.Response:
         caller: Caller = request[CALLER]
         project = request.query.get("project_id")
-        rows = [r for r in self.usage.stored_now(caller.scope)
+        rows = [r for r in (await self._read(a.GetCheckpointStorage(), caller)).items
                 if project is None or (r.project_id or DEFAULT_PROJECT) == project]
         if project is not None and not rows and not any(
                 (s.project_id or DEFAULT_PROJECT) == project for s in self.labels.sessions(caller.scope)):

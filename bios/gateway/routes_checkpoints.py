@@ -4,7 +4,7 @@ archive downloads.
 What a self-hosted cluster means by each:
 - publish / unpublish sets the checkpoint's `public` flag, shown in listings; Bios still serves a checkpoint's
   tensors only to its own key (reading other keys' published checkpoints is not implemented).
-- a TTL (here, or `ttl_seconds` on a save) makes the gateway delete the checkpoint once it expires.
+- a TTL (here, or `ttl_seconds` on a save) makes the coordinator delete the checkpoint once it expires.
 - `external_weights_urls` are links to the checkpoint's own files (adapter and optimizer safetensors,
   metadata.json), served by this gateway under `/downloads/` for an hour without an API key.
 - `copy_weights` copies the files into a new run in a new session of the same key (never scheduled); copying
@@ -20,10 +20,12 @@ from aiohttp import web
 
 from bios import messages as m
 from bios import types as t
+from bios import account as a
+from bios.account import check_ttl
 from bios.checkpoint_path import CheckpointPath
 from bios.coordinator.copies import copy_checkpoint
 from bios.coordinator.server import Coordinator
-from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
+from bios.exceptions import BadRequestError, NotFoundError
 
 from . import json_wire
 from .http_io import API, OWNER, json_body, query_int, rfc3339
@@ -32,7 +34,6 @@ from .signed_urls import PREFIX, SignedUrls
 log = logging.getLogger(__name__)
 
 CHECKPOINT = f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}"
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # Tinker's bounds: one hour to ten years
 
 
 class CheckpointRoutes:
@@ -125,18 +126,12 @@ class CheckpointRoutes:
         return await self._set_public(request, False)
 
     async def _set_public(self, request: web.Request, public: bool) -> web.Response:
-        path, owner = self._path(request), request[OWNER]
-        await self._own(path, owner)
-        self.labels.publish(path, public)
-        self.audit.record(owner, "checkpoint_published" if public else "checkpoint_unpublished", path=path)
+        await self.front_door.query(a.PublishCheckpoint(self._path(request), public), request[OWNER])
         return web.json_response({})
 
     async def set_ttl(self, request: web.Request) -> web.Response:
-        path, owner = self._path(request), request[OWNER]
         ttl = check_ttl((await json_body(request)).data.get("ttl_seconds"))
-        await self._own(path, owner)
-        expires = self.labels.set_ttl(path, ttl)
-        self.audit.record(owner, "checkpoint_ttl_set", path=path, expires_at=expires)
+        await self.front_door.query(a.SetCheckpointTTL(self._path(request), ttl), request[OWNER])
         return web.json_response({})
 
     async def external_weights_urls(self, request: web.Request) -> web.Response:
@@ -177,26 +172,3 @@ class CheckpointRoutes:
             self.labels.set_ttl(copy, ttl)
         self.audit.record(owner, "checkpoint_copied", source=source, path=copy)
         return web.json_response({"tinker_path": json_wire.tinker_path(copy)})
-
-    # ------------------------------------------------------------------------------------ expiry
-
-    async def delete_expired(self) -> int:
-        """Delete every checkpoint past its TTL; returns how many went."""
-        gone = 0
-        for path, owner in self.labels.expired():
-            try:
-                await self.front_door.query(m.DeleteCheckpoint(path), owner)
-                gone += 1
-            except BiosAPIError as exc:
-                log.warning("expired checkpoint %s not deleted: %s", path, exc.message)
-        return gone
-
-
-def check_ttl(raw: object) -> int | None:
-    """Tinker's TTL rule: None (never expires) or whole seconds from one hour to ten years."""
-    if raw is None:
-        return None
-    if not isinstance(raw, int) or isinstance(raw, bool) or not MIN_TTL_S <= raw <= MAX_TTL_S:
-        raise BadRequestError(f"ttl_seconds must be an integer from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} "
-                              f"(10 years), or null for no expiry; got {raw!r}", field="ttl_seconds")
-    return raw

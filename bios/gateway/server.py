@@ -21,6 +21,7 @@ from aiohttp import web
 
 from bios import ids
 from bios import messages as m
+from bios.account import check_ttl
 from bios.actors.remote import RemoteError
 from bios.coordinator.server import Coordinator
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError
@@ -33,7 +34,7 @@ from .http_io import API, CALLER, OWNER, errors, http_error, identify, json_body
 from .openai_api import OpenAICompat
 from .renders import Renders
 from .routes_account import AccountRoutes
-from .routes_checkpoints import CheckpointRoutes, check_ttl
+from .routes_checkpoints import CheckpointRoutes
 from .routes_futures import FutureRoutes
 from .routes_sessions import SessionRoutes
 from .signed_urls import SignedUrls
@@ -153,7 +154,6 @@ class Gateway:
         while True:
             await asyncio.sleep(30)
             self.promises.sweep()
-            await self.checkpoints.delete_expired()
 
     # ------------------------------------------------------------------------------------ submission
 

@@ -1,10 +1,13 @@
-"""`RestClient`: run history and checkpoints. Methods return `APIFuture`s, as in the Tinker SDK."""
+"""`RestClient`: run history, checkpoints and the key's account (usage, audit log, storage). Methods return
+`APIFuture`s, as in the Tinker SDK."""
 
 from __future__ import annotations
 
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bios import account as a
 from bios import messages as m
 from bios import types as t
 
@@ -102,3 +105,38 @@ class RestClient:
             return write_merged_model(state, Path(out_dir), base_model=base_model)
         return write_peft_adapter(state, Path(out_dir), base_model_dir=str(resolve_model_dir(base_model)),
                                   base_model=base_model)
+
+    # ------------------------------------------------------------------------------------ checkpoint labels
+
+    def publish_checkpoint(self, path: str, public: bool = True) -> APIFuture[Any]:
+        """Mark a checkpoint public (listings show it; Bios still serves its tensors only to this key)."""
+        return self._query(a.PublishCheckpoint(path, public))
+
+    def unpublish_checkpoint(self, path: str) -> APIFuture[Any]:
+        return self._query(a.PublishCheckpoint(path, False))
+
+    def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> APIFuture[a.CheckpointTTL]:
+        """Delete the checkpoint `ttl_seconds` from now (one hour to ten years; None: keep it)."""
+        return self._query(a.SetCheckpointTTL(path, ttl_seconds))
+
+    # ------------------------------------------------------------------------------------ account
+
+    def get_billing_usage(self, starting_on: datetime | float, ending_before: datetime | float
+                          ) -> APIFuture[a.UsageReport]:
+        """This key's hourly usage in [starting_on, ending_before): tokens trained, prefilled and sampled,
+        checkpoints saved and gigabyte-hours stored."""
+        return self._query(a.GetUsage(_seconds(starting_on), _seconds(ending_before)))
+
+    def get_audit_log(self, event_type: str = "all", day: date | None = None) -> APIFuture[a.AuditReport]:
+        """This key's administrative events on `day` (UTC, default today)."""
+        day = day or datetime.now(timezone.utc).date()
+        start = datetime(day.year, day.month, day.day, tzinfo=timezone.utc).timestamp()
+        return self._query(a.GetAuditLog(start, start + 86400.0, event_type))
+
+    def get_current_checkpoint_storage_usage(self) -> APIFuture[a.StorageReport]:
+        """This key's checkpoints now: how many and how many bytes, per project label."""
+        return self._query(a.GetCheckpointStorage())
+
+
+def _seconds(when: datetime | float) -> float:
+    return when.timestamp() if isinstance(when, datetime) else float(when)
