@@ -45,20 +45,22 @@ def model():
     return llama
 
 
-def gradients(model, loss_fn: str, data, custom=None) -> tuple[float, torch.Tensor]:
+def gradients(model, loss_fn: str, data, custom=None) -> tuple[types.ForwardBackwardOutput, torch.Tensor]:
     adapter = AdapterState.create("c", model, types.LoraConfig(rank=4, seed=1), device="cpu")
     with torch.no_grad():  # B != 0, so A gets gradients too
         adapter.params.add_(torch.randn(adapter.params.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
     out = forward_backward(model, [ForwardItem(adapter, data, loss_fn, None, custom_loss=custom)])[0]
-    return out.loss, adapter.pending_grad.clone()
+    return out, adapter.pending_grad.clone()
 
 
 def test_a_graph_equal_to_cross_entropy_gives_cross_entropys_gradients(model):
     data = [text_datum("Custom losses run on the workers."), text_datum("Weighted tokens.", weight=0.5)]
-    loss, grad = gradients(model, "cross_entropy", data)
-    custom_loss, custom_grad = gradients(model, "custom", data, CompiledLoss(as_bios(weighted_ce, {
+    out, grad = gradients(model, "cross_entropy", data)
+    custom_out, custom_grad = gradients(model, "custom", data, CompiledLoss(as_bios(weighted_ce, {
         "logprobs": 1, "weights": 1})))
-    assert custom_loss == pytest.approx(loss, rel=1e-6)
+    assert custom_out.loss == pytest.approx(out.loss, rel=1e-6)
+    weights = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in data)
+    assert custom_out.metrics["custom/weight:sum"] == pytest.approx(weights)
     assert float(grad.abs().max()) > 0
     torch.testing.assert_close(custom_grad, grad, rtol=0, atol=1e-6)
 
@@ -69,8 +71,12 @@ def test_a_ppo_like_graph_runs_with_its_inputs_and_metrics(model):
     datum = types.Datum(datum.model_input, {**datum.loss_fn_inputs, "advantages": np.ones(n, np.float32),
                                                   "old": np.full(n, -3.0, np.float32)})
     compiled = CompiledLoss(as_bios(clipped_ratio, {"logprobs": 1, "advantages": 1, "old": 1}))
-    loss, grad = gradients(model, "custom", [datum], compiled)
-    assert loss < 0 and float(grad.abs().max()) > 0
+    out, grad = gradients(model, "custom", [datum, datum], compiled)
+    assert out.loss < 0 and float(grad.abs().max()) > 0
+    single, _ = gradients(model, "custom", [datum], compiled)
+    assert out.loss == pytest.approx(2 * single.loss, rel=1e-6)  # losses add up, per-datum means do not
+    assert out.metrics["custom/ratio:mean"] == pytest.approx(single.metrics["custom/ratio:mean"], rel=1e-6)
+    assert out.metrics["custom/ratio:mean"] > 0
     logprobs = torch.full((n,), -3.0)
     value, metrics = compiled(logprobs, {"advantages": torch.ones(n), "old": torch.full((n,), -3.0)})
     assert float(value) == pytest.approx(-n) and float(metrics["custom/ratio:mean"]) == pytest.approx(1.0)
@@ -113,6 +119,8 @@ def test_through_the_coordinator_a_ce_graph_equals_cross_entropy_and_a_forbidden
     got = custom.forward_backward(data, "custom", custom_loss=graph).result(120)
     assert got.loss == pytest.approx(expected.loss, rel=1e-6)
     assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-6)
+    assert got.metrics["custom/weight:sum"] == pytest.approx(
+        sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in data))
     nodes = [types.CustomLossNode(n.op, n.name, "torch.save", n.args, n.kwargs) if n.op == "call_function" else n
              for n in graph.nodes]
     with pytest.raises(BadRequestError, match="'torch.save'"):

@@ -40,11 +40,11 @@ class ForwardItem:
     forward_only: bool = False
     custom_loss: CompiledLoss | None = None  # for loss_fn "custom": the session's checked graph
 
-    def loss(self, logprobs: Tensor, inputs: dict[str, Tensor]) -> Tensor:
-        """One datum's summed loss under this item's loss."""
+    def loss(self, logprobs: Tensor, inputs: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """One datum's summed loss under this item's loss, and its metrics (a custom loss's `custom/...`)."""
         if self.custom_loss is not None:
-            return self.custom_loss(logprobs, inputs)[0]
-        return compute_loss(self.loss_fn, logprobs, inputs, self.loss_fn_config)
+            return self.custom_loss(logprobs, inputs)
+        return compute_loss(self.loss_fn, logprobs, inputs, self.loss_fn_config), {}
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int,
 
 def _run_pass(
     model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None
-) -> tuple[list[Tensor], list[float]]:
+) -> tuple[list[Tensor], list[float], list[dict[str, float]]]:
     """One padded forward pass over `rows` (and one backward of their summed loss if `backward`).
 
     Right padding with a causal model means real tokens never see the pads, so outputs do not depend on
@@ -185,15 +185,16 @@ def _run_pass(
         with active_adapters(model, _segments(lengths, adapters)):
             logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
         per_row = list(torch.split(logprobs, lengths))
-        losses = [
-            items[row.item].loss(row_logprobs, row.inputs) for row, row_logprobs in zip(rows, per_row)
-        ]
+        losses, metrics = zip(*(items[row.item].loss(row_logprobs, row.inputs)
+                                for row, row_logprobs in zip(rows, per_row)))
         stacked = torch.stack(losses)
         if backward:
             stacked.sum().backward()
     outputs = [lp.detach() if row.text_mask is None else lp.detach().masked_fill(~row.text_mask.to(lp.device), 0.0)
                for row, lp in zip(rows, per_row)]
-    return outputs, stacked.detach().tolist()
+    row_metrics = [{key: float(value.detach()) if isinstance(value, Tensor) else float(value)
+                    for key, value in datum_metrics.items()} for datum_metrics in metrics]
+    return outputs, stacked.detach().tolist(), row_metrics
 
 
 def forward_backward(
@@ -217,21 +218,24 @@ def forward_backward(
                 f"adapter {item.adapter.model_id}: a LoRA .grad no longer aliases pending_grad; gradients would be lost"
             )
     logprobs: list[list[Tensor | None]] = [[None] * len(item.data) for item in items]
-    loss_sums = [0.0] * len(items)
+    sums: list[dict[str, float]] = [{"loss:sum": 0.0} for _ in items]
     for backward in (True, False):
         selected = [row for row in rows if items[row.item].forward_only != backward]
         for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass):
-            batch_logprobs, batch_losses = _run_pass(model, batch, items, backward=backward, reader=images)
-            for row, row_logprobs, loss in zip(batch, batch_logprobs, batch_losses):
+            batch_logprobs, batch_losses, batch_metrics = _run_pass(model, batch, items, backward=backward,
+                                                                    reader=images)
+            for row, row_logprobs, loss, row_metrics in zip(batch, batch_logprobs, batch_losses, batch_metrics):
                 logprobs[row.item][row.index] = row_logprobs
-                loss_sums[row.item] += loss
+                for key, value in {"loss:sum": loss, **row_metrics}.items():
+                    sums[row.item][key] = sums[row.item].get(key, 0.0) + value
     return [
         ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
             loss_fn_outputs=[{"logprobs": TensorData.from_torch(lp)} for lp in item_logprobs],
-            metrics={"loss:sum": loss_sum},
+            # per-datum metrics: `:sum` ones summed, `:mean` ones averaged over the item's data
+            metrics={key: value / len(item.data) if key.endswith(":mean") else value for key, value in sums_.items()},
         )
-        for item_logprobs, loss_sum in zip(logprobs, loss_sums)
+        for item, item_logprobs, sums_ in zip(items, logprobs, sums)
     ]
 
 

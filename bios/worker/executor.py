@@ -357,12 +357,18 @@ def _empty_output() -> t.ForwardBackwardOutput:
 
 
 def _merge(parts: list[t.ForwardBackwardOutput]) -> t.ForwardBackwardOutput:
-    """Shards in rank order make the whole batch: outputs concatenated, sums summed."""
+    """Shards in rank order make the whole batch: outputs concatenated, sums summed, per-datum means (a custom
+    loss's `:mean` metrics) weighted by each shard's datum count."""
     outputs = [record for part in parts for record in part.loss_fn_outputs]
     metrics: dict[str, float] = {}
     for part in parts:
         for key, value in part.metrics.items():
-            metrics[key] = metrics.get(key, 0.0) + value if key.endswith(":sum") else value
+            if key.endswith(":sum"):
+                metrics[key] = metrics.get(key, 0.0) + value
+            elif key.endswith(":mean") and outputs:
+                metrics[key] = metrics.get(key, 0.0) + value * len(part.loss_fn_outputs) / len(outputs)
+            else:
+                metrics[key] = value
     return t.ForwardBackwardOutput(parts[0].loss_fn_output_type, outputs, metrics)
 
 
