@@ -4,7 +4,7 @@ The coordinator checks `expected_tokens` of every image chunk at acceptance and 
 chunks into pixel values; both count tokens with `image_token_count`, the one rule, computed from the model's
 image processor config (`VisionConfig`) with no torch. Decoding uses Pillow only.
 
-The count is the Qwen2-VL family's: the image is resized so both sides are multiples of `patch_size *
+The count is the Qwen2-VL family's (Qwen2.5-VL and Qwen3-VL share its image processor): the image is resized so both sides are multiples of `patch_size *
 merge_size` and its area lies in [min_pixels, max_pixels] (`smart_resize`, as in Transformers), cut into
 `patch_size` patches, and every `merge_size x merge_size` patches become one token.
 """
@@ -20,8 +20,9 @@ from urllib.parse import unquote, urlparse
 
 from bios.model_input import IMAGE_FORMATS, ImageAssetPointerChunk, ImageChunk, ModelInput
 
-# Model types whose image processor and position scheme Bios implements (and tests: qwen2_vl).
-VISION_MODEL_TYPES = ("qwen2_vl",)
+# Model types whose image processor and position scheme Bios implements (and tests). All four use Transformers'
+# Qwen2VLImageProcessor, so one token-count rule serves them; their M-RoPE positions come from the model itself.
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Refuse to decode anything larger than this before allocating it (a decompression bomb is a tiny PNG).
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 _MAX_ASPECT_RATIO = 200
