@@ -100,7 +100,7 @@ class StorageReport:
 
 @dataclass(frozen=True)
 class PublishCheckpoint:
-    """Set a checkpoint's `public` flag (shown in listings; Bios still serves its tensors only to its key)."""
+    """Set a checkpoint's `public` flag: every key may load a published checkpoint by its path."""
 
     path: str
     public: bool = True

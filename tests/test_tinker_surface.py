@@ -337,36 +337,39 @@ def _totals(events) -> dict[str, float]:
 
 
 def test_usage_audit_and_sessions_are_scoped_to_their_key(keyed):
-    bob_id, alice_id = _key_id(keyed.bob), _key_id(keyed.alice)
-    with tinker.ServiceClient(base_url=keyed.url, api_key=keyed.bob, display_name="bob's") as svc:
+    keys = KeyStore.open(keyed.state_dir)
+    dave = f"tml-{keys.create('dave')}"  # a key of its own: the counts below are exactly this test's
+    keys.close()
+    dave_id, alice_id = _key_id(dave), _key_id(keyed.alice)
+    with tinker.ServiceClient(base_url=keyed.url, api_key=dave, display_name="dave's") as svc:
         tc = svc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
         tc.forward_backward(BATCH, "cross_entropy").result(60)
         sampler = tc.save_weights_and_get_sampling_client().result()
         sampled = sampler.sample(PROMPT, 2, GREEDY).result(60).sequences
-        bob_session = svc.holder.get_session_id()
+        dave_session = svc.holder.get_session_id()
     now = datetime.now(timezone.utc)
     start, end = _hour(now - timedelta(hours=1)), _hour(now + timedelta(hours=1))
 
-    bob = tinker.AdminClient(base_url=keyed.url, api_key=keyed.bob)
-    events = bob.get_billing_usage(start, end).result().data
-    assert {e.user_id for e in events} == {bob_id}
+    mine = tinker.AdminClient(base_url=keyed.url, api_key=dave)
+    events = mine.get_billing_usage(start, end).result().data
+    assert {e.user_id for e in events} == {dave_id}
     totals = _totals(events)
     assert totals["training"] == BATCH_TOKENS
     assert totals["sampling_prefill"] == PROMPT.length
     assert totals["sampling_sample"] == sum(len(s.tokens) for s in sampled)
     assert totals["checkpoint"] == 1
-    checkpoints = tinker.RestClient(base_url=keyed.url, api_key=keyed.bob).list_user_checkpoints().result()
+    checkpoints = tinker.RestClient(base_url=keyed.url, api_key=dave).list_user_checkpoints().result()
     size = sum(c.size_bytes for c in checkpoints.checkpoints)
     elapsed_h = (time.time() - checkpoints.checkpoints[0].time.timestamp()) / 3600
     assert 0 < totals["storage"] <= size / 1e9 * elapsed_h * 1.01 + 1e-12
     assert [(d.org_user_urn, d.size_bytes, d.checkpoint_count) for d in
-            bob.get_current_checkpoint_storage_usage().result().data] == [(bob_id, size, 1)]
-    audit = bob.get_audit_log().result().entries
-    assert {e.event_details["owner"] for e in audit} == {bob_id}
+            mine.get_current_checkpoint_storage_usage().result().data] == [(dave_id, size, 1)]
+    audit = mine.get_audit_log().result().entries
+    assert {e.event_details["owner"] for e in audit} == {dave_id}
     assert {"api_key_created", "training_run_created"} <= {e.event for e in audit}
 
     # the native SDK reads the same records
-    native = bios.ServiceClient(address=keyed.address, api_key=keyed.bob.removeprefix("tml-"))
+    native = bios.ServiceClient(address=keyed.address, api_key=dave.removeprefix("tml-"))
     try:
         native_rest = native.create_rest_client()
         window = (datetime.fromisoformat(start).timestamp(), datetime.fromisoformat(end).timestamp())
@@ -376,33 +379,33 @@ def test_usage_audit_and_sessions_are_scoped_to_their_key(keyed):
         assert {k: v for k, v in native_totals.items() if k != "storage"} == {
             k: v for k, v in totals.items() if k != "storage"}
         assert [(s.owner, s.checkpoint_count, s.size_bytes) for s in
-                native_rest.get_current_checkpoint_storage_usage().result(60).items] == [(bob_id, 1, size)]
+                native_rest.get_current_checkpoint_storage_usage().result(60).items] == [(dave_id, 1, size)]
         assert {e.event for e in native_rest.get_audit_log().result(60).entries} == {e.event for e in audit}
         path = checkpoints.checkpoints[0].tinker_path
         native_rest.publish_checkpoint(path).result(60)
-        assert _checkpoint(tinker.RestClient(base_url=keyed.url, api_key=keyed.bob), path).public
+        assert _checkpoint(tinker.RestClient(base_url=keyed.url, api_key=dave), path).public
         assert native_rest.set_checkpoint_ttl(path, 3600).result(60).expires_at > time.time() + 3500
     finally:
         native.close()
 
     alice = tinker.AdminClient(base_url=keyed.url, api_key=keyed.alice)
-    assert bob_id not in {e.user_id for e in alice.get_billing_usage(start, end).result().data}
-    assert bob_id not in {e.event_details["owner"] for e in alice.get_audit_log().result().entries}
+    assert dave_id not in {e.user_id for e in alice.get_billing_usage(start, end).result().data}
+    assert dave_id not in {e.event_details["owner"] for e in alice.get_audit_log().result().entries}
     alice_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.alice)
     everyone = tt.SessionSearchRequest(owner=tt.AccessibleSearchOwner())
-    assert bob_session not in {s.session_id for s in alice_rest.search_sessions(everyone).result().sessions}
+    assert dave_session not in {s.session_id for s in alice_rest.search_sessions(everyone).result().sessions}
     with pytest.raises(tinker.NotFoundError):
-        alice_rest.get_session(bob_session).result()
+        alice_rest.get_session(dave_session).result()
     with pytest.raises(tinker.NotFoundError):
         alice_rest.publish_checkpoint_from_tinker_path(checkpoints.checkpoints[0].tinker_path).result()
 
     admin = tinker.AdminClient(base_url=keyed.url, api_key=keyed.admin)
-    assert {bob_id, alice_id} <= {e.user_id for e in admin.get_billing_usage(start, end).result().data}
-    assert {bob_id, alice_id} <= {e.event_details["owner"] for e in admin.get_audit_log().result().entries}
-    assert {bob_id, alice_id} <= {d.org_user_urn for d in admin.get_current_checkpoint_storage_usage().result().data}
+    assert {dave_id, alice_id} <= {e.user_id for e in admin.get_billing_usage(start, end).result().data}
+    assert {dave_id, alice_id} <= {e.event_details["owner"] for e in admin.get_audit_log().result().entries}
+    assert {dave_id, alice_id} <= {d.org_user_urn for d in admin.get_current_checkpoint_storage_usage().result().data}
     admin_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.admin)
     owners = {s.owner for s in admin_rest.search_sessions(everyone).result().sessions}
-    assert {bob_id, alice_id} <= owners
+    assert {dave_id, alice_id} <= owners
 
 
 # ------------------------------------------------------------------------------------------ routes behind SDK flags
@@ -475,3 +478,30 @@ def test_routes_the_sdk_calls_only_behind_flags(keyed, tmp_path):
 def json_of(reply: httpx.Response) -> Any:
     assert reply.status_code == 200, reply.text
     return reply.json()
+
+
+def test_a_published_checkpoint_is_readable_by_every_key(keyed):
+    with tinker.ServiceClient(base_url=keyed.url, api_key=keyed.alice) as alice:
+        tc = alice.create_lora_training_client(base_model=BASE, rank=4, seed=9).result()
+        tc.forward_backward(BATCH, "cross_entropy").result(60)
+        tc.optim_step(tt.AdamParams(learning_rate=LR)).result(60)
+        path = tc.save_weights_for_sampler("shared").result(60).path
+        state = tc.save_state("shared-state").result(60).path
+        theirs = alice.create_sampling_client(model_path=path).result().sample(PROMPT, 1, GREEDY).result(60)
+    alice_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.alice)
+    with tinker.ServiceClient(base_url=keyed.url, api_key=keyed.bob, project_id="bobs") as bob:
+        with pytest.raises(tinker.NotFoundError):  # private until published
+            bob.create_sampling_client(model_path=path).result()
+        for published in (path, state):
+            alice_rest.publish_checkpoint_from_tinker_path(published).result()
+        ours = bob.create_sampling_client(model_path=path).result().sample(PROMPT, 1, GREEDY).result(60)
+        assert ours.sequences[0].tokens == theirs.sequences[0].tokens
+        assert bob.create_training_client_from_state(state).result().get_info().lora_rank == 4
+        copied = bob.copy_weights(path).result()
+        bob_rest = tinker.RestClient(base_url=keyed.url, api_key=keyed.bob)
+        assert copied in {c.tinker_path for c in bob_rest.list_user_checkpoints().result().checkpoints}
+        with pytest.raises(tinker.NotFoundError):  # readable, not the reader's to delete
+            bob_rest.delete_checkpoint_from_tinker_path(path).result()
+        alice_rest.unpublish_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_sampling_client(model_path=path).result()

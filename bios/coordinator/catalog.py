@@ -1,4 +1,5 @@
-"""Checkpoints as users see them: saved, listed, loaded and deleted by path, visible only to their owner.
+"""Checkpoints as users see them: saved, listed, loaded and deleted by path, visible only to their owner (a
+published one can be loaded by every key).
 
 The SQLite index (`Store`) says what exists and whose it is; the `CheckpointStore` holds the tensors. Anything
 that is not the caller's is reported as not found, so existence does not leak across keys.
@@ -18,6 +19,7 @@ from bios.messages import CheckpointState
 
 from .checkpoints import CheckpointStore
 from .disk import is_disk_full
+from .labels import Labels
 from .runs import from_stored_config
 from .store import Store, StoredCheckpoint, StoredRun
 
@@ -29,6 +31,7 @@ class Catalog:
         self.store = store
         self.files = files
         self.disk = store.disk
+        self.labels = Labels(store)  # a published checkpoint is readable by every key
 
     def check_free(self, path: CheckpointPath, *, overwrite: bool) -> None:
         if not overwrite and self.store.get_checkpoint(str(path)) is not None:
@@ -65,8 +68,18 @@ class Catalog:
             raise NotFoundError(f"no checkpoint at {parsed}; list yours with RestClient.list_checkpoints", field=field)
         return record
 
+    def find_readable(self, path: str, owner: str | None, *, field: str = "path") -> StoredCheckpoint:
+        """The owner's checkpoint, or any key's that was published (readable by every key, never deletable)."""
+        try:
+            return self.find(path, owner, field=field)
+        except NotFoundError:
+            record = self.store.get_checkpoint(str(CheckpointPath.parse(path, field=field)))
+            if record is None or not self.labels.checkpoint(record.path).public:
+                raise
+            return record
+
     def load(self, path: str, owner: str | None, *, field: str = "path") -> CheckpointState:
-        record = self.find(path, owner, field=field)
+        record = self.find_readable(path, owner, field=field)
         return self.files.get(CheckpointPath.parse(record.path))
 
     def delete(self, path: str, owner: str | None) -> None:

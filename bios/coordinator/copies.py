@@ -1,5 +1,6 @@
-"""Copying a checkpoint into a run of its own (Tinker's `copy_weights`): the copy outlives its source and keeps
-its kind, and its run holds nothing else and is never scheduled (status `archived`)."""
+"""Copying a checkpoint (the caller's own, or any key's published one) into a run of the caller's (Tinker's
+`copy_weights`): the copy outlives its source and keeps its kind; its run holds nothing else and is never
+scheduled (status `archived`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ ARCHIVED = "archived"  # a run that only holds copied weights: not live, so noth
 
 
 def copy_checkpoint(store: Store, catalog: Catalog, source: str, owner: str, session_id: str) -> str:
-    """Copy `owner`'s checkpoint at `source` into run `<session_id>:train:0`; returns the copy's path."""
-    record = catalog.find(source, owner, field="source_path")
+    """Copy the checkpoint at `source` `owner` may read into run `<session_id>:train:0`; returns the copy's path."""
+    record = catalog.find_readable(source, owner, field="source_path")
     state = catalog.load(record.path, owner, field="source_path")
     origin = store.get_run(record.run_id)
     run_id = ids.run_id(session_id, 0)

@@ -90,7 +90,8 @@ class Labels:
             "FROM sessions s LEFT JOIN session_labels l ON l.session_id = s.session_id "
             "LEFT JOIN runs r ON r.session_id = s.session_id LEFT JOIN checkpoints c ON c.run_id = r.model_id "
             + ("" if owner is None else "WHERE s.owner = ? ")
-            + "GROUP BY s.session_id ORDER BY s.created DESC, s.session_id DESC", () if owner is None else (owner,)).fetchall()
+            + "GROUP BY s.session_id ORDER BY s.created DESC, s.session_id DESC",
+            () if owner is None else (owner,)).fetchall()
         return [SessionSummary(r[0], r[1], float(r[2]), bool(r[3]), r[4], json.loads(r[5]) if r[5] else None, r[6],
                                r[7], r[8], int(r[9]), int(r[10])) for r in rows]
 

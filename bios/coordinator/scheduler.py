@@ -397,7 +397,7 @@ class Scheduler(Actor):
             raise BadRequestError("give a model_path (a sampler checkpoint) or a base_model", field="model_path")
         base_model, model_path = body.base_model, None
         if body.model_path is not None:
-            record = self.catalog.find(body.model_path, owner, field="model_path")
+            record = self.catalog.find_readable(body.model_path, owner, field="model_path")
             model_path = record.path
             run = self.store.get_run(record.run_id)
             base_model = run.base_model if run is not None else base_model

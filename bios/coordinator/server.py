@@ -140,8 +140,9 @@ class Coordinator:
             name="scheduler",
             policy=Policy.RESUME,
         )
-        self.front_door = FrontDoor(self.store, self.scheduler, Queries(self.store, self.catalog, self._keys), self.ledger,
-                                    self.codec, self._capabilities, self._status)
+        queries = Queries(self.store, self.catalog, self._keys)
+        self.front_door = FrontDoor(self.store, self.scheduler, queries, self.ledger, self.codec, self._capabilities,
+                                    self._status)
         self.runner = CycleRunner(
             self.scheduler, self.clock, self.membership, self._send_to_worker,
             load_state=lambda path: self.catalog.load(path, None),

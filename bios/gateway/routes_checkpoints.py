@@ -2,13 +2,13 @@
 archive downloads.
 
 What a self-hosted cluster means by each:
-- publish / unpublish sets the checkpoint's `public` flag, shown in listings; Bios still serves a checkpoint's
-  tensors only to its own key (reading other keys' published checkpoints is not implemented).
+- publish / unpublish sets the checkpoint's `public` flag: every key may then load it (training from its state,
+  sampling, copying it) by its path; only its owner lists, publishes, downloads or deletes it.
 - a TTL (here, or `ttl_seconds` on a save) makes the coordinator delete the checkpoint once it expires.
 - `external_weights_urls` are links to the checkpoint's own files (adapter and optimizer safetensors,
   metadata.json), served by this gateway under `/downloads/` for an hour without an API key.
-- `copy_weights` copies the files into a new run in a new session of the same key (never scheduled); copying
-  from another account (`weights_access_token`) is refused.
+- `copy_weights` copies the files (the caller's, or a published checkpoint) into a new run in a new session of
+  the caller's key (never scheduled); weights access tokens for other accounts are refused.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class RestClient:
     # ------------------------------------------------------------------------------------ checkpoint labels
 
     def publish_checkpoint(self, path: str, public: bool = True) -> APIFuture[Any]:
-        """Mark a checkpoint public (listings show it; Bios still serves its tensors only to this key)."""
+        """Publish a checkpoint: every key may then train from it, sample it or copy it by its path."""
         return self._query(a.PublishCheckpoint(path, public))
 
     def unpublish_checkpoint(self, path: str) -> APIFuture[Any]:
