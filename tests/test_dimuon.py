@@ -30,20 +30,21 @@ PARAMS = types.DimuonParams(learning_rate=2e-3)
 # ------------------------------------------------------------------------------------------ the matrix sign
 
 
-@pytest.mark.parametrize("shape", [(4, 48), (48, 4), (3, 8, 40)], ids=["wide_A", "tall_B", "experts"])
-def test_damped_sign_is_the_polar_factor_with_singular_values_shrunk_by_damping(shape):
+@pytest.mark.parametrize(("shape", "rank_rows"), [((4, 48), True), ((48, 4), False), ((3, 8, 40), True)],
+                         ids=["A", "B", "experts_A"])
+def test_damped_sign_is_the_polar_factor_with_singular_values_shrunk_by_damping(shape, rank_rows):
     generator = torch.Generator().manual_seed(0)
     momentum = torch.randn(shape, generator=generator) * 1e-3
     normalised = (momentum.double() / torch.linalg.matrix_norm(momentum.double(), keepdim=True))
     u, s, vh = torch.linalg.svd(normalised, full_matrices=False)
     for damping in (1e-9, 0.05):
-        direction = damped_sign(momentum, damping).double()
+        direction = damped_sign(momentum, damping, rank_rows).double()
         expected = u @ torch.diag_embed(s / torch.sqrt(s**2 + damping)) @ vh
         torch.testing.assert_close(direction, expected, rtol=0, atol=1e-6)
     rank = min(shape[-2:])
-    norms = torch.linalg.matrix_norm(damped_sign(momentum, 1e-9).double())
+    norms = torch.linalg.matrix_norm(damped_sign(momentum, 1e-9, rank_rows).double())
     torch.testing.assert_close(norms, torch.full_like(norms, math.sqrt(rank)), rtol=1e-5, atol=0)
-    assert damped_sign(torch.zeros(shape), 1e-4).abs().max() == 0  # no gradient yet (A at step 1): no move
+    assert damped_sign(torch.zeros(shape), 1e-4, rank_rows).abs().max() == 0  # no gradient yet (A at step 1): no move
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -98,7 +99,8 @@ def test_save_and_load_with_optimizer_resumes_exactly(model):
     resumed = restore_adapter("r", model, saved, with_optimizer=True, device="cpu", optimizer="dimuon")
     weights_only = restore_adapter("w", model, saved, with_optimizer=False, device="cpu", optimizer="dimuon")
     for _ in range(2):
-        expected, got, reset = step(model, original), step(model, resumed), step(model, weights_only)
+        expected, got = step(model, original), step(model, resumed)
+        step(model, weights_only)
         assert got == expected
     assert torch.equal(resumed.params, original.params) and torch.equal(resumed.exp_avg, original.exp_avg)
     assert not torch.equal(weights_only.params, original.params)  # the momentum mattered
@@ -164,3 +166,53 @@ def test_two_workers_equal_one_and_the_tinker_sdk_equals_the_native_sdk(tmp_path
             service.create_training_client_from_state(tc.save_state("d2").result(120).path).optim_step(
                 PARAMS).result(120)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ tensor parallelism
+
+DIMUON_TP = types.DimuonParams(learning_rate=1e-2, beta1=0.85, grad_clip_norm=0.5)
+
+
+def dimuon_tp2_work(rank: int, world: int) -> dict:
+    """Three Dimuon steps on a TP=2 shard (run in a spawned process by `run_workers`)."""
+    from test_tensor_parallel import LORA, batch, start_state, tiny_llama
+
+    from bios.worker.tensor_parallel import (commit_sharded_gradients, create_sharded_adapter, gather_full_adapter,
+                                             reduce_shared_grads, shard_adapter_state, shard_model, sharded_optim_step)
+
+    model = tiny_llama()
+    start = start_state(model)
+    info = shard_model(model, rank, world)
+    adapter = create_sharded_adapter("a", model, LORA, seed=LORA.seed, device="cpu")
+    adapter.optimizer = "dimuon"
+    adapter.load_state_dict(shard_adapter_state(start, info))
+    losses = []
+    for _ in range(3):
+        [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
+        reduce_shared_grads(adapter, info)
+        commit_sharded_gradients(adapter, info)
+        sharded_optim_step(adapter, DIMUON_TP, info)
+        losses.append(output.metrics["loss:sum"])
+    full = gather_full_adapter(adapter, info)
+    return {"losses": losses, "final": full.state_dict(), "momentum": full.exp_avg.clone()}
+
+
+def test_tp2_dimuon_equals_one_worker(tmp_path, monkeypatch):
+    from test_tensor_parallel import LORA, assert_close, assert_states_close, batch, run_workers, start_state, \
+        tiny_llama
+
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")
+    model = tiny_llama()
+    adapter = AdapterState.create("a", model, LORA, device="cpu")
+    adapter.optimizer = "dimuon"
+    adapter.load_state_dict(start_state(model))
+    losses = []
+    for _ in range(3):
+        [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
+        commit_gradients(adapter)
+        optim_step(adapter, DIMUON_TP)
+        losses.append(output.metrics["loss:sum"])
+    for shard in run_workers(2, dimuon_tp2_work, tmp_path):
+        assert shard["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_states_close(shard["final"], adapter.state_dict(), "weights after 3 Dimuon steps")
+        assert_close(shard["momentum"], adapter.exp_avg, "momentum")

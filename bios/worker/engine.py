@@ -9,6 +9,7 @@ all-reduces them if needed and calls `commit_gradients` (or `discard_gradients` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from bios import spec
 from bios.exceptions import BadRequestError
 from bios.kernels.adamw import adamw_step
-from bios.kernels.dimuon import dimuon_step
+from bios.kernels.dimuon import DimuonFactor, dimuon_step
 from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.custom_loss import CompiledLoss
@@ -254,21 +255,24 @@ def discard_gradients(adapter: AdapterState) -> None:
 
 
 def optim_step(
-    adapter: AdapterState, params: AdamParams | DimuonParams, *, grad_norm: float | None = None
+    adapter: AdapterState, params: AdamParams | DimuonParams, *, grad_norm: float | None = None,
+    split: list[bool] | None = None, reduce: Callable[[Tensor], None] | None = None,
 ) -> OptimStepResponse:
     """One step of the run's optimizer (AdamW, or Dimuon for `DimuonParams`) on the committed gradient, which
-    is then cleared for the next step. `grad_norm`: the whole gradient's norm when this adapter holds only a
-    tensor-parallel shard of it (AdamW only: Dimuon needs whole factors)."""
+    is then cleared for the next step. When this adapter holds only a tensor-parallel shard: `grad_norm` is the
+    whole gradient's norm, and for Dimuon `split` says which factors (in buffer order) are slices and `reduce`
+    sums over the group."""
     adapter.step += 1
     if isinstance(params, DimuonParams):
-        if grad_norm is not None:
-            raise NotImplementedError("Dimuon on tensor-parallel shards: its matrix sign needs whole LoRA factors")
-        pairs = [adapter.pairs_in(buffer).values() for buffer in (adapter.params, adapter.grad, adapter.exp_avg)]
-        factors, grads, momenta = ([factor for pair in views for factor in pair] for views in pairs)
-        grad_norm = dimuon_step(factors, grads, momenta, adapter.grad, rank=adapter.config.rank,
-                                lr=params.learning_rate, beta1=params.beta1, damping=params.damping,
+        views = [adapter.pairs_in(buffer).values() for buffer in (adapter.params, adapter.grad, adapter.exp_avg)]
+        flat = [[factor for pair in pairs for factor in pair] for pairs in views]
+        split = split if split is not None else [False] * len(flat[0])
+        factors = [DimuonFactor(param, grad, momentum, rank_rows=index % 2 == 0, split=sliced)
+                   for index, (param, grad, momentum, sliced) in enumerate(zip(*flat, split, strict=True))]
+        grad_norm = dimuon_step(factors, adapter.grad, rank=adapter.config.rank, lr=params.learning_rate,
+                                beta1=params.beta1, damping=params.damping,
                                 rank_lr_correction_exponent=params.rank_lr_correction_exponent,
-                                grad_clip_norm=params.grad_clip_norm)
+                                grad_clip_norm=params.grad_clip_norm, grad_norm=grad_norm, reduce=reduce)
     else:
         grad_norm = adamw_step(
             adapter.params,

@@ -299,6 +299,7 @@ class CycleExecutor:
                 full = AdapterState(shard.model_id, shard.config,
                                     [info.full_target(target.module_name) for target in shard.targets], shard.seed,
                                     shard.params.device)
+                full.optimizer = shard.optimizer
                 load_into(full, op.state, with_optimizer=op.optimizer)
                 copy_full_into_shard(full, shard, info)
             return t.LoadWeightsResponse(path=op.path, model_id=op.model_id)

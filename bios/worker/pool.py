@@ -129,15 +129,13 @@ class ModelPool:
         base = self.base(op.base_model)
         info = shard_info(base.model)
         if info is not None:
-            if op.optimizer != "adamw":
-                raise NotImplementedError(f"the {op.optimizer} optimizer with tensor parallelism: its matrix sign "
-                                          "needs whole LoRA factors; train this model on workers without it")
             if op.state is not None:
                 state = restore_sharded_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
-                                                device=self.device)
+                                                device=self.device, optimizer=op.optimizer)
             else:
                 seed = self._shared_seed(op.lora) if seed is None else seed
                 state = create_sharded_adapter(model_id, base.model, op.lora, seed=seed, device=self.device)
+                state.optimizer = op.optimizer
             count = full_parameter_count(state, info)
         else:
             validate_lora_config(base.model, op.lora)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bios.messages import CheckpointState
-from bios.types import AdamParams, LoraConfig, OptimStepResponse
+from bios.types import AdamParams, DimuonParams, LoraConfig, OptimizerName, OptimStepResponse
 from bios.worker.adapter import AdapterState, LoraTarget, init_lora_weights, lora_targets, validate_lora_config
 from bios.worker.checkpoint import load_into, restore_adapter
 from bios.worker.engine import optim_step
@@ -419,7 +419,7 @@ def commit_sharded_gradients(adapter: AdapterState, info: ShardInfo, group: dist
 
 def sharded_optim_step(
     adapter: AdapterState,
-    params: AdamParams,
+    params: AdamParams | DimuonParams,
     info: ShardInfo,
     group: dist.ProcessGroup | None = None,
     *,
@@ -431,8 +431,13 @@ def sharded_optim_step(
     identically) is the single-worker update; only the clipping norm needs the group, and it is taken before
     anything changes, so a failed collective leaves the adapter as it was (the step can run again).
     `grad_norm`, when the caller already has that norm (taken when the gradient was committed), skips it.
+    Dimuon also sums the Gram matrices of the factors split over the group (see `bios.kernels.dimuon`).
     """
     norm = sharded_grad_norm(adapter, info, group) if grad_norm is None else grad_norm
+    if isinstance(params, DimuonParams):
+        split = [not whole for _, whole in _factor_spans(adapter, info)]
+        return optim_step(adapter, params, grad_norm=norm, split=split,
+                          reduce=(lambda tensor: dist.all_reduce(tensor, group=group)) if info.world > 1 else None)
     return optim_step(adapter, params, grad_norm=norm)
 
 
@@ -465,6 +470,7 @@ def gather_full_adapter(
                 full_b.copy_(lora_b)
     full.scale = adapter.scale
     full.step = adapter.step
+    full.optimizer = adapter.optimizer
     return full
 
 
@@ -502,15 +508,18 @@ def shard_checkpoint(state: CheckpointState, info: ShardInfo) -> CheckpointState
 
 
 def restore_sharded_adapter(
-    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str
+    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str,
+    optimizer: OptimizerName = "adamw",
 ) -> AdapterState:
     """`checkpoint.restore_adapter` for a sharded model: this worker's slice of a whole-adapter checkpoint,
-    with its slice of the Adam moments when `with_optimizer`."""
+    with its slice of the optimizer state when `with_optimizer`."""
     info = _require_sharded(model)
-    shard = restore_adapter(model_id, model, shard_checkpoint(state, info), with_optimizer=False, device=device)
+    shard = restore_adapter(model_id, model, shard_checkpoint(state, info), with_optimizer=False, device=device,
+                            optimizer=optimizer)
     if with_optimizer:
         full = AdapterState(model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
                             shard.seed, device)
+        full.optimizer = optimizer
         load_into(full, state, with_optimizer=True)
         copy_full_into_shard(full, shard, info)
     return shard
