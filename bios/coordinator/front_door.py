@@ -93,6 +93,10 @@ class FrontDoor:
         self.check_session(session_id, owner)
         return self.queries.runs_of_session(session_id, owner)
 
+    def samplers_of_session(self, session_id: str, owner: str) -> list[str]:
+        self.check_session(session_id, owner)
+        return self.queries.samplers_of_session(session_id, owner)
+
     def run_ids(self, owner: str) -> list[str]:
         return self.queries.run_ids(owner)
 

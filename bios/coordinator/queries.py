@@ -124,5 +124,10 @@ class Queries:
         """The owner's sessions that created runs, oldest first."""
         return list(dict.fromkeys(run.session_id for run in self.store.list_runs(owner)))
 
+    def samplers_of_session(self, session_id: str, owner: str) -> list[str]:
+        """The sampling sessions a client session opened."""
+        return [sampler for sampler, sampler_owner, _, _ in self.store.sampling_sessions()
+                if sampler_owner == owner and sampler.startswith(f"{session_id}:")]
+
     def runs_of_session(self, session_id: str, owner: str) -> list[str]:
         return [run.model_id for run in self.store.list_runs(owner) if run.session_id == session_id]

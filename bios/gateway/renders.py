@@ -15,14 +15,12 @@ from bios.coordinator.server import Coordinator
 
 from . import json_wire, proto
 from .futures import PROTOBUF, Reply, json_reply
-from .routes_sessions import SessionRoutes
 
 
 class Renders:
-    def __init__(self, coordinator: Coordinator, sessions: SessionRoutes) -> None:
+    def __init__(self, coordinator: Coordinator) -> None:
         self.front_door = coordinator.front_door
         self.labels = coordinator.labels
-        self.sessions = sessions
 
     async def by_type(self, result: Any) -> Reply:
         """A result rendered by its type alone (for promises recovered after a restart)."""
@@ -76,7 +74,6 @@ class Renders:
         """An unnamed save's result is a sampling session on its checkpoint: save_weights_and_get_sampling_client."""
         query = m.CreateSamplingSession(session_id, sampling_seq, None, out.path)
         session = await self.front_door.query(query, owner)
-        self.sessions.opened_sampler(session_id, session.sampling_session_id)
         return json_reply({"path": json_wire.tinker_path(out.path), "sampling_session_id": session.sampling_session_id,
                            "type": "save_weights_for_sampler"})
 

@@ -32,7 +32,6 @@ class SessionRoutes:
         self.front_door = coordinator.front_door
         self.labels = coordinator.labels
         self.urls = urls
-        self.samplers: dict[str, list[str]] = {}  # session id -> sampling sessions opened through this gateway
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -48,9 +47,6 @@ class SessionRoutes:
             web.get(f"{PREFIX}traces/{{session_id}}.json", self.download_trace),
         ]
 
-    def opened_sampler(self, session_id: str, sampling_session_id: str) -> None:
-        self.samplers.setdefault(session_id, []).append(sampling_session_id)
-
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def create_session(self, request: web.Request) -> web.Response:
@@ -60,7 +56,6 @@ class SessionRoutes:
         self.labels.label_session(session_id, _text(body.data.get("display_name")),
                                   _str_dict(metadata, "user_metadata") if metadata else None,
                                   _text(body.data.get("project_id")))
-        self.samplers[session_id] = []
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def session_heartbeat(self, request: web.Request) -> web.Response:
@@ -85,17 +80,15 @@ class SessionRoutes:
     # ------------------------------------------------------------------------------------ reading
 
     async def list_sessions(self, request: web.Request) -> web.Response:
-        """Sessions that own runs, and those opened through this gateway since it started."""
-        owner = request[OWNER]
-        opened = [s for s in self.samplers if self.front_door.owns_session(s, owner)]
-        listed = list(dict.fromkeys(self.front_door.sessions(owner) + opened))
+        """The key's sessions, newest first."""
+        listed = [s.session_id for s in self.labels.sessions(request[OWNER])]
         offset, limit = query_int(request, "offset", 0), query_int(request, "limit", 20)
         return web.json_response({"sessions": listed[offset: offset + limit]})
 
     async def get_session(self, request: web.Request) -> web.Response:
         session_id, owner = request.match_info["session_id"], request[OWNER]
-        runs = self.front_door.runs_of_session(session_id, owner)
-        out: dict[str, Any] = {"training_run_ids": runs, "sampler_ids": self.samplers.get(session_id, [])}
+        out: dict[str, Any] = {"training_run_ids": self.front_door.runs_of_session(session_id, owner),
+                               "sampler_ids": self.front_door.samplers_of_session(session_id, owner)}
         summary = self._summary(session_id, owner)
         if summary is not None:
             out["user_metadata"], out["display_name"] = summary.user_metadata, summary.display_name

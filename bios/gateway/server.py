@@ -87,7 +87,7 @@ class Gateway:
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
         self.sessions = SessionRoutes(coordinator, urls)
         self.checkpoints = CheckpointRoutes(coordinator, urls)
-        self.renders = Renders(coordinator, self.sessions)
+        self.renders = Renders(coordinator)
         self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator),
                          FutureRoutes(self.promises, self.config.poll_s), self.openai, self.console]
         self.url = ""
@@ -293,7 +293,6 @@ class Gateway:
         query, owner = json_wire.create_sampling_session(await json_body(request)), request[OWNER]
         self._check_session(query.session_id, owner)
         session = await self.front_door.query(query, owner)
-        self.sessions.opened_sampler(query.session_id, session.sampling_session_id)
         return web.json_response({"type": "create_sampling_session",
                                   "sampling_session_id": session.sampling_session_id})
 
