@@ -62,9 +62,11 @@ class Queries:
         if isinstance(body, m.GetTrainingRunMetrics):
             run = self.run(body.training_run_id, owner)
             return m.TrainingRunMetrics(self.summary(run), self.history.points(run.model_id, body.max_points))
-        if isinstance(body, m.GetRunTrace):
-            run = self.run(body.training_run_id, owner)
-            return m.RunTrace(run.model_id, self.timeline.of_run(run.model_id))
+        if isinstance(body, m.GetRunTrace):  # a training run's requests, or a sampling session's
+            sampler = self.store.get_sampling_session(body.training_run_id)
+            if sampler is None or (owner is not None and sampler[0] != owner):
+                self.run(body.training_run_id, owner)
+            return m.RunTrace(body.training_run_id, self.timeline.of_run(body.training_run_id))
         if isinstance(body, a.PublishCheckpoint):
             record = self.catalog.find(body.path, owner)
             self.labels.publish(record.path, body.public)

@@ -4,7 +4,7 @@ A session's display name, user metadata, project and finish reason are kept (`bi
 `get_session` and `search_sessions`. Bios has no projects to grant access to: a project id is a label, and a
 session without one is in project `default`. A key searches its own sessions; only the admin (the worker token)
 searches every key's. `trace_export` is ready at once: a link, served by this gateway, to the Chrome trace JSON
-(which Perfetto opens) of the session's training runs, one process per run.
+(which Perfetto opens) of the session's training runs and sampling sessions, one process each.
 """
 
 from __future__ import annotations
@@ -140,8 +140,10 @@ class SessionRoutes:
         if owner is None:
             raise NotFoundError(f"no session {session_id!r}", field="session_id")
         events: list[dict[str, Any]] = []
-        for pid, run_id in enumerate(self.front_door.runs_of_session(session_id, owner), start=1):
-            trace = chrome_trace(await self.front_door.query(m.GetRunTrace(run_id), owner))
+        targets = self.front_door.runs_of_session(session_id, owner) + self.front_door.samplers_of_session(
+            session_id, owner)
+        for pid, target in enumerate(targets, start=1):
+            trace = chrome_trace(await self.front_door.query(m.GetRunTrace(target), owner))
             events.extend({**event, "pid": pid} for event in trace["traceEvents"])
         return web.json_response({"traceEvents": events, "displayTimeUnit": "ms"})
 
