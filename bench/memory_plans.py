@@ -148,6 +148,7 @@ def probe(spec: dict[str, Any], rank: int, store: str | None) -> dict[str, Any]:
     from bios.worker.lora import attach_lora
     from bios.worker.memory_plan import enable_activation_checkpointing, peak_rss
     from bios.worker import tensor_parallel as tp
+    from bios.worker.sharded_adapter import create_sharded_adapter
 
     torch.set_num_threads(1)
     world = spec["tp"]
@@ -166,7 +167,7 @@ def probe(spec: dict[str, Any], rank: int, store: str | None) -> dict[str, Any]:
     if info is None:
         adapter = AdapterState.create("bench", model, lora, device="cpu")
     else:
-        adapter = tp.create_sharded_adapter("bench", model, lora, seed=0, device="cpu")
+        adapter = create_sharded_adapter("bench", model, lora, seed=0, device="cpu")
     generator = torch.Generator().manual_seed(0)
     data = []
     for _ in range(spec["tokens"] // spec["seq"]):

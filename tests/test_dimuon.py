@@ -177,8 +177,9 @@ def dimuon_tp2_work(rank: int, world: int) -> dict:
     """Three Dimuon steps on a TP=2 shard (run in a spawned process by `run_workers`)."""
     from test_tensor_parallel import LORA, batch, start_state, tiny_llama
 
-    from bios.worker.tensor_parallel import (commit_sharded_gradients, create_sharded_adapter, gather_full_adapter,
-                                             reduce_shared_grads, shard_adapter_state, shard_model, sharded_optim_step)
+    from bios.worker.sharded_adapter import (commit_sharded_gradients, create_sharded_adapter, gather_full_adapter,
+                                             reduce_shared_grads, shard_adapter_state, sharded_optim_step)
+    from bios.worker.tensor_parallel import shard_model
 
     model = tiny_llama()
     start = start_state(model)

@@ -26,21 +26,18 @@ from bios.worker.engine import ForwardItem, commit_gradients, discard_gradients,
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.memory_plan import enable_activation_checkpointing
 from bios.worker.sampling import SampleItem, generate
-from bios.worker.tensor_parallel import (
-    ShardInfo,
+from bios.worker.sharded_adapter import (
     commit_sharded_gradients,
     copy_full_into_shard,
     create_sharded_adapter,
     gather_adapter_state,
     gather_full_adapter,
-    load_sharded_model,
-    rebind_group,
     reduce_shared_grads,
     shard_adapter_state,
-    shard_model,
-    shared_seed,
     sharded_optim_step,
+    shared_seed,
 )
+from bios.worker.tensor_parallel import load_sharded_model, rebind_group, shard_model, ShardInfo
 
 VOCAB = 300
 LORA = LoraConfig(rank=4, seed=11)

@@ -38,15 +38,14 @@ from .custom_loss import CompiledLoss
 from .pool import Adapter, ModelPool
 from .sampling import SampleItem, generate
 from .vision import image_reader
-from .tensor_parallel import (
-    TensorParallelError,
+from .sharded_adapter import (
     copy_full_into_shard,
     gather_full_adapter,
     reduce_shared_grads,
-    shard_info,
     sharded_grad_norm,
     sharded_optim_step,
 )
+from .tensor_parallel import shard_info, TensorParallelError
 
 log = logging.getLogger(__name__)
 

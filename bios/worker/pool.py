@@ -28,17 +28,14 @@ from .checkpoint import restore_adapter, sampler_adapter
 from .lora import attach_lora
 from .memory_plan import enable_activation_checkpointing
 from .targets import target_groups
-from .tensor_parallel import (
+from .sharded_adapter import (
     create_sharded_adapter,
     full_parameter_count,
-    load_sharded_model,
-    rebind_group,
     restore_sharded_adapter,
     shard_checkpoint,
-    shard_info,
-    TensorParallelError,
     shared_seed,
 )
+from .tensor_parallel import load_sharded_model, rebind_group, shard_info, TensorParallelError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,301 @@
+"""LoRA adapters on a tensor-parallel model (`bios.worker.tensor_parallel` says how layers and factors are split).
+
+An adapter on a sharded model is an ordinary `AdapterState` whose targets carry the local shapes, so the
+engine's `forward_backward`, `active_adapters` and `generate` run unchanged. What differs is around them:
+`create_sharded_adapter` (same initial weights as a single worker), `reduce_shared_grads` before the commit,
+`sharded_grad_norm`/`sharded_optim_step` (global norm for clipping), and `gather_full_adapter` /
+`copy_full_into_shard` / `restore_sharded_adapter` for checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from bios.messages import CheckpointState
+from bios.types import AdamParams, DimuonParams, LoraConfig, OptimizerName, OptimStepResponse
+from bios.worker.adapter import AdapterState, init_lora_weights, lora_targets, validate_lora_config
+from bios.worker.checkpoint import load_into, restore_adapter
+from bios.worker.engine import optim_step
+
+if TYPE_CHECKING:
+    pass
+
+from bios.worker.tensor_parallel import ShardInfo, require_sharded
+
+_PEFT_PREFIX = "base_model.model."
+_PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def shared_seed(config: LoraConfig, group: dist.ProcessGroup | None = None) -> int:
+    """The adapter's seed, the same on every worker of the group: `config.seed`, or group rank 0's random draw."""
+    if config.seed is not None:
+        return config.seed
+    seed = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
+    dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(seed.item())
+
+
+def create_sharded_adapter(
+    model_id: str, model: nn.Module, config: LoraConfig, *, seed: int, device: torch.device | str
+) -> AdapterState:
+    """This worker's shard of the adapter `AdapterState.create` would build on the whole model with `seed`.
+
+    The config is validated against the full layer shapes, the full initial weights are drawn (same generator,
+    same order as a single worker) and only this worker's slices are kept. Every worker of the group must
+    pass the same seed (`shared_seed`).
+    """
+    info = require_sharded(model)
+    local = lora_targets(model, config)
+    full = [info.full_target(target.module_name) for target in local]
+    validate_lora_config(model, config, targets=full)
+    state = AdapterState(model_id, config, local, seed, device)
+    with torch.no_grad():
+        for name, (lora_a, lora_b) in init_lora_weights(full, config.rank, seed).items():
+            shard_a, shard_b = _shard_pair(info, name, lora_a, lora_b)
+            view_a, view_b = state.lora_pair(name)
+            view_a.copy_(shard_a)
+            view_b.copy_(shard_b)
+    return state
+
+
+def reduce_shared_grads(adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None) -> None:
+    """Sum over the group the pending gradients of the whole factors each worker only saw a share of.
+
+    Those are A of column-split layers and B of row-split layers (see the module docstring); they are packed
+    into one buffer, so this is one all-reduce per adapter. Call once per cycle before the data-parallel
+    all-reduce and the commit (the sum is linear, so after accumulating all micro-batches is enough).
+    """
+    parts = []
+    for target in adapter.targets:
+        if target.module_name not in info.kinds:
+            continue
+        column = info.kinds[target.module_name] == "column"
+        lora_a, lora_b = adapter.lora_pair(target.module_name)
+        parts.append((lora_a if column else lora_b).grad)
+    if not parts or info.world == 1:
+        return
+    packed = torch.cat([part.reshape(-1) for part in parts])
+    dist.all_reduce(packed, group=group)
+    offset = 0
+    for part in parts:
+        part.copy_(packed[offset : offset + part.numel()].view_as(part))
+        offset += part.numel()
+
+
+def sharded_grad_norm(
+    adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None, grad: Tensor | None = None
+) -> float:
+    """L2 norm of the whole adapter's gradient (`adapter.grad` unless given), the same on every worker.
+
+    Split factors contribute their slices from every worker (summed over the group); whole factors, identical
+    everywhere once `reduce_shared_grads` ran, count once.
+    """
+    grad = adapter.grad if grad is None else grad
+    split_sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+    whole_sq = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for span, whole in _factor_spans(adapter, info):
+        squares = grad[span].double().square().sum()
+        if whole:
+            whole_sq += squares
+        else:
+            split_sq += squares
+    if info.world > 1:
+        dist.all_reduce(split_sq, group=group)
+    return math.sqrt(float(split_sq + whole_sq))
+
+
+@torch.no_grad()
+def commit_sharded_gradients(adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None) -> float:
+    """`engine.commit_gradients` for a shard: add this cycle's gradient, return the whole gradient's norm."""
+    adapter.grad.add_(adapter.pending_grad)
+    adapter.pending_grad.zero_()
+    return sharded_grad_norm(adapter, info, group)
+
+
+def sharded_optim_step(
+    adapter: AdapterState,
+    params: AdamParams | DimuonParams,
+    info: ShardInfo,
+    group: dist.ProcessGroup | None = None,
+    *,
+    grad_norm: float | None = None,
+) -> OptimStepResponse:
+    """`engine.optim_step` for a shard: clip by the whole adapter's gradient norm, then AdamW on the shard.
+
+    AdamW is elementwise, so each worker updating its slices (and every worker updating the whole factors
+    identically) is the single-worker update; only the clipping norm needs the group, and it is taken before
+    anything changes, so a failed collective leaves the adapter as it was (the step can run again).
+    `grad_norm`, when the caller already has that norm (taken when the gradient was committed), skips it.
+    Dimuon also sums the Gram matrices of the factors split over the group (see `bios.kernels.dimuon`).
+    """
+    norm = sharded_grad_norm(adapter, info, group) if grad_norm is None else grad_norm
+    if isinstance(params, DimuonParams):
+        split = [not whole for _, whole in _factor_spans(adapter, info)]
+        return optim_step(adapter, params, grad_norm=norm, split=split,
+                          reduce=(lambda tensor: dist.all_reduce(tensor, group=group)) if info.world > 1 else None)
+    return optim_step(adapter, params, grad_norm=norm)
+
+
+def gather_full_adapter(
+    adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None
+) -> AdapterState:
+    """The whole adapter (params, Adam moments, step) a single worker would hold, on every worker of the group.
+
+    One all-gather of the stacked flat buffers. The result is an ordinary `AdapterState` on the full targets,
+    so `export_state`, `state_dict` and the checkpoint code work on it unchanged.
+    """
+    buffers = [adapter.params, adapter.exp_avg, adapter.exp_avg_sq] if adapter.trainable else [adapter.params]
+    stacked = torch.stack(buffers)
+    parts = [torch.empty_like(stacked) for _ in range(info.world)]
+    if info.world > 1:
+        dist.all_gather(parts, stacked, group=group)
+    else:
+        parts = [stacked]
+    full_targets = [info.full_target(target.module_name) for target in adapter.targets]
+    full = AdapterState(
+        adapter.model_id, adapter.config, full_targets, adapter.seed, adapter.params.device, trainable=adapter.trainable
+    )
+    full_buffers = [full.params, full.exp_avg, full.exp_avg_sq] if adapter.trainable else [full.params]
+    with torch.no_grad():
+        for index, full_buffer in enumerate(full_buffers):
+            shard_views = [_pairs_in(part[index], adapter) for part in parts]
+            for name, (full_a, full_b) in _pairs_in(full_buffer, full).items():
+                lora_a, lora_b = _gather_pairs(info, name, [views[name] for views in shard_views])
+                full_a.copy_(lora_a)
+                full_b.copy_(lora_b)
+    full.scale = adapter.scale
+    full.step = adapter.step
+    full.optimizer = adapter.optimizer
+    return full
+
+
+@torch.no_grad()
+def copy_full_into_shard(full: AdapterState, shard: AdapterState, info: ShardInfo) -> None:
+    """Load a whole adapter (e.g. restored from a checkpoint) into this worker's shard: params, committed
+    gradient, moments, step, scale."""
+    names = [target.module_name for target in shard.targets]
+    if [target.module_name for target in full.targets] != names:
+        raise ValueError(f"adapter {full.model_id} trains other layers than the shard {shard.model_id}")
+    pairs = [(full.params, shard.params)]
+    if shard.trainable:
+        pairs += [(full.grad, shard.grad), (full.exp_avg, shard.exp_avg), (full.exp_avg_sq, shard.exp_avg_sq)]
+    for full_buffer, shard_buffer in pairs:
+        full_views = _pairs_in(full_buffer, full)
+        for name, (shard_a, shard_b) in _pairs_in(shard_buffer, shard).items():
+            lora_a, lora_b = _shard_pair(info, name, *full_views[name])
+            shard_a.copy_(lora_a)
+            shard_b.copy_(lora_b)
+    shard.step = full.step
+    shard.scale = full.scale
+
+
+def full_parameter_count(adapter: AdapterState, info: ShardInfo) -> int:
+    """Parameters of the whole adapter a shard belongs to (what a single worker would report)."""
+    rank = adapter.config.rank
+    return sum(rank * sum(info.full_shapes[target.module_name]) for target in adapter.targets)
+
+
+def shard_checkpoint(state: CheckpointState, info: ShardInfo) -> CheckpointState:
+    """A checkpoint's adapter tensors cut to this worker's slices (no optimizer state): for sampler weights."""
+    full = {key: torch.from_numpy(np.asarray(value)) for key, value in state.adapter.items()}
+    tensors = {key: value.numpy() for key, value in shard_adapter_state(full, info).items()}
+    return CheckpointState(adapter=tensors, optimizer=None, metadata=state.metadata)
+
+
+def restore_sharded_adapter(
+    model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str,
+    optimizer: OptimizerName = "adamw",
+) -> AdapterState:
+    """`checkpoint.restore_adapter` for a sharded model: this worker's slice of a whole-adapter checkpoint,
+    with its slice of the optimizer state when `with_optimizer`."""
+    info = require_sharded(model)
+    shard = restore_adapter(model_id, model, shard_checkpoint(state, info), with_optimizer=False, device=device,
+                            optimizer=optimizer)
+    if with_optimizer:
+        full = AdapterState(model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
+                            shard.seed, device)
+        full.optimizer = optimizer
+        load_into(full, state, with_optimizer=True)
+        copy_full_into_shard(full, shard, info)
+    return shard
+
+
+def shard_adapter_state(full_state: dict[str, Tensor], info: ShardInfo) -> dict[str, Tensor]:
+    """A PEFT-named adapter state dict (whole matrices) cut down to this worker's slices, same keys."""
+    result = {}
+    for name, (key_a, key_b) in _peft_pairs(full_state).items():
+        result[key_a], result[key_b] = (
+            t.clone() for t in _shard_pair(info, name, full_state[key_a], full_state[key_b])
+        )
+    return result
+
+
+def gather_adapter_state(shard_states: Sequence[dict[str, Tensor]], info: ShardInfo) -> dict[str, Tensor]:
+    """The whole PEFT-named adapter state dict from every worker's `state_dict()`, listed in group-rank order."""
+    if len(shard_states) != info.world:
+        raise ValueError(f"need one state dict per worker of the group ({info.world}), got {len(shard_states)}")
+    result = {}
+    for name, (key_a, key_b) in _peft_pairs(shard_states[0]).items():
+        pairs = [(state[key_a], state[key_b]) for state in shard_states]
+        result[key_a], result[key_b] = _gather_pairs(info, name, pairs)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def _shard_pair(info: ShardInfo, name: str, lora_a: Tensor, lora_b: Tensor) -> tuple[Tensor, Tensor]:
+    kind = info.kinds.get(name)
+    if kind == "column":
+        return lora_a, lora_b.chunk(info.world, dim=0)[info.rank]
+    if kind == "row":
+        return lora_a.chunk(info.world, dim=1)[info.rank], lora_b
+    return lora_a, lora_b
+
+
+def _gather_pairs(info: ShardInfo, name: str, pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    kind = info.kinds.get(name)
+    if kind == "column":
+        return pairs[0][0].clone(), torch.cat([lora_b for _, lora_b in pairs], dim=0)
+    if kind == "row":
+        return torch.cat([lora_a for lora_a, _ in pairs], dim=1), pairs[0][1].clone()
+    return pairs[0][0].clone(), pairs[0][1].clone()
+
+
+def _pairs_in(flat: Tensor, adapter: AdapterState) -> dict[str, tuple[Tensor, Tensor]]:
+    """Views of `flat` (a buffer laid out like `adapter.params`) shaped as each target's (A, B)."""
+    return adapter.pairs_in(flat)
+
+
+def _factor_spans(adapter: AdapterState, info: ShardInfo) -> list[tuple[slice, bool]]:
+    """(slice of the flat buffers, whole on every worker?) for every LoRA factor, in buffer order."""
+    base = adapter.params.storage_offset()
+    spans = []
+    for target in adapter.targets:
+        for factor, whole in zip(adapter.lora_pair(target.module_name), info.whole_factors(target.module_name)):
+            start = factor.storage_offset() - base
+            spans.append((slice(start, start + factor.numel()), whole))
+    return spans
+
+
+def _peft_pairs(state: dict[str, Tensor]) -> dict[str, tuple[str, str]]:
+    """Module name -> (A key, B key) of a PEFT-named adapter state dict."""
+    pairs = {}
+    for key in state:
+        if key.endswith(_PEFT_SUFFIXES[0]):
+            name = key[: -len(_PEFT_SUFFIXES[0])].removeprefix(_PEFT_PREFIX)
+            key_b = key[: -len(_PEFT_SUFFIXES[0])] + _PEFT_SUFFIXES[1]
+            if key_b not in state:
+                raise ValueError(f"adapter state has {key} but no {key_b}")
+            pairs[name] = (key, key_b)
+    if len(pairs) * 2 != len(state):
+        raise ValueError("adapter state has keys that are not PEFT LoRA A/B pairs")
+    return pairs
