@@ -304,18 +304,22 @@ def check_optim_params(params: object, optimizer: str) -> None:
         check_adam(params)
 
 
+# The LoraConfig switches saying which parts of the model an adapter trains.
+LORA_FLAGS = ("train_attn", "train_mlp", "train_unembed", "train_vision")
+
+
 def check_lora(config: t.LoraConfig) -> None:
     """What can be checked of a LoRA config without the model (workers also bound the rank by layer sizes)."""
     rank = config.rank
     if not _is_int(rank) or not 1 <= rank <= MAX_LORA_RANK or rank & (rank - 1):
         raise BadRequestError(f"LoRA rank must be a power of two (1, 2, 4, ... {MAX_LORA_RANK}), got {rank!r}",
                               field="rank")
-    for flag in ("train_attn", "train_mlp", "train_unembed"):
+    for flag in LORA_FLAGS:
         if not isinstance(getattr(config, flag), bool):
             raise BadRequestError(f"LoRA {flag} must be true or false, got {getattr(config, flag)!r}", field=flag)
-    if not (config.train_attn or config.train_mlp or config.train_unembed):
-        raise BadRequestError("LoRA config trains no layer: set at least one of train_attn, train_mlp, "
-                              "train_unembed to true", field="train_attn")
+    if not any(getattr(config, flag) for flag in LORA_FLAGS):
+        raise BadRequestError(f"LoRA config trains no layer: set at least one of {', '.join(LORA_FLAGS)} to true",
+                              field="train_attn")
     check_seed(config.seed, "seed", "LoRA seed")
 
 

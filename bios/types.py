@@ -221,6 +221,9 @@ class LoraConfig:
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
+    # Beyond Tinker's fields (the tinker wire has none such; native SDK only): also the linear layers of a
+    # vision-language model's image encoder.
+    train_vision: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,7 +342,7 @@ class LoraTargetGroup:
     layer indices as `*` (`model.layers.*.self_attn.q_proj`), `modules` how many paths match it."""
 
     pattern: str
-    role: Literal["attn", "mlp", "unembed"]
+    role: Literal["attn", "mlp", "unembed", "vision"]
     kind: Literal["linear", "conv1d", "experts"]  # nn.Linear, transformers Conv1D, 3D routed-expert weights
     modules: int
     experts: int = 0  # routed experts per module, each with its own A and B (0: not an experts weight)

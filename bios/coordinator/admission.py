@@ -204,7 +204,8 @@ class Admission:
         lora = t.LoraConfig(rank=int(meta["rank"]), seed=meta.get("seed"),
                             train_unembed=bool(meta.get("train_unembed", True)),
                             train_mlp=bool(meta.get("train_mlp", True)),
-                            train_attn=bool(meta.get("train_attn", True)))
+                            train_attn=bool(meta.get("train_attn", True)),
+                            train_vision=bool(meta.get("train_vision", False)))
         optimizer = meta.get("optimizer", "adamw") if op.with_optimizer else op.optimizer  # its state decides
         return dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state,
                                    optimizer=optimizer)

@@ -77,12 +77,14 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        train_vision: bool = False,
         optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
         """Create a LoRA run on `base_model`; blocks until its adapter exists on the workers. `optimizer` is fixed
-        for the run's lifetime (AdamW by default; `DimuonOptimizerConfig()`: its steps take `DimuonParams`)."""
-        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn),
+        for the run's lifetime (AdamW by default; `DimuonOptimizerConfig()`: its steps take `DimuonParams`).
+        `train_vision` also trains a vision-language model's image encoder (its linear layers)."""
+        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn, train_vision),
                               optimizer=_optimizer_name(optimizer))
         return self._training_client(future.result(timeout))
 
@@ -95,10 +97,11 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         *,
+        train_vision: bool = False,
         optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
-        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn),
+        future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn, train_vision),
                               optimizer=_optimizer_name(optimizer))
         return self._training_client(await future.result_async(timeout))
 

@@ -16,6 +16,7 @@ import secrets
 import torch
 from torch import Tensor, nn
 
+from bios import spec
 from bios.exceptions import BadRequestError
 from bios.types import LoraConfig, OptimizerName
 from bios.worker.targets import LoraTarget, from_peft_layout, lora_targets, peft_keys, to_peft_layout
@@ -36,7 +37,7 @@ def validate_lora_config(model: nn.Module, config: LoraConfig, *, targets: list[
     `targets` overrides `lora_targets(model, config)`: a tensor-parallel shard validates against the full
     layer shapes, not its slices.
     """
-    for flag in ("train_attn", "train_mlp", "train_unembed"):
+    for flag in spec.LORA_FLAGS:
         if not isinstance(getattr(config, flag), bool):
             raise BadRequestError(f"LoRA {flag} must be true or false, got {getattr(config, flag)!r}", field=flag)
     if config.seed is not None and (
@@ -51,8 +52,8 @@ def validate_lora_config(model: nn.Module, config: LoraConfig, *, targets: list[
         targets = lora_targets(model, config)
     if not targets:
         raise BadRequestError(
-            "LoRA config trains no layer of this model: set at least one of train_attn, train_mlp, "
-            "train_unembed to true",
+            f"LoRA config trains no layer of this model: set at least one of {', '.join(spec.LORA_FLAGS)} to "
+            "true",
             field="train_attn",
         )
     smallest = min(min(t.in_features, t.out_features) for t in targets)

@@ -52,6 +52,7 @@ def export_state(
         "train_mlp": adapter.config.train_mlp,
         "train_attn": adapter.config.train_attn,
         "train_unembed": adapter.config.train_unembed,
+        "train_vision": adapter.config.train_vision,
         "target_modules": [target.module_name for target in adapter.targets],
         # for export: which targets are 3D expert parameters (PEFT `target_parameters`), and whether some are
         # Conv1D layers, whose weights PEFT reads transposed (`fan_in_fan_out`)
@@ -160,6 +161,7 @@ def _empty_adapter(
         train_mlp=bool(metadata.get("train_mlp", True)),
         train_attn=bool(metadata.get("train_attn", True)),
         train_unembed=bool(metadata.get("train_unembed", True)),
+        train_vision=bool(metadata.get("train_vision", False)),
     )
     targets = lora_targets(model, config)
     names = [target.module_name for target in targets]

@@ -25,6 +25,7 @@ from bios.worker.custom_loss import CompiledLoss
 from bios.worker.losses import compute_loss, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 from bios.worker.vision import ImageReader, RowImages
+from bios.worker.vision_lora import tower_adapters
 
 # Per-token inputs that say how much a position counts; image positions count for nothing.
 _POSITION_WEIGHTS = ("weights", "advantages", "sequence_ratio_mask")
@@ -179,7 +180,8 @@ def _run_pass(
     extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
                                                           [row.images for row in rows])[0]
     with torch.set_grad_enabled(backward):
-        with active_adapters(model, _segments([1] * len(rows), adapters)):
+        with active_adapters(model, _segments([1] * len(rows), adapters)), \
+                tower_adapters(model, [row.images for row in rows], adapters):
             hidden = model.base_model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
             ).last_hidden_state

@@ -37,6 +37,7 @@ from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
 from bios.worker.stopping import stop_token_ids, string_stop_hits
 from bios.worker.vision import ImageReader, RowImages
+from bios.worker.vision_lora import tower_adapters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -234,7 +235,9 @@ def _prefill(
     if reader is not None:
         extra, rope_deltas = reader.model_kwargs(model, input_ids, prompt_mask, [item.images for item in ordered])
     cache = DynamicCache(config=model.config)
-    with active_adapters(model, _adapter_segments([item.adapter for item in ordered])):
+    adapters = [item.adapter for item in ordered]
+    with active_adapters(model, _adapter_segments(adapters)), \
+            tower_adapters(model, [item.images for item in ordered], adapters):
         hidden = model.base_model(
             input_ids=input_ids,
             attention_mask=prompt_mask,

@@ -8,8 +8,9 @@ embeddings, norms and biases are never adapted. Any other module holding a weigh
 an unknown layer type) is recorded as unadaptable, and an adapter that would train it is refused naming it,
 rather than silently leaving it out.
 
-A module counts as attention when its path mentions "attn"/"attention", as the output head when it is
-`get_output_embeddings()`, and as MLP otherwise.
+A module counts as the vision tower's when it lies in a vision-language model's image encoder (only its plain
+linear layers are adaptable there, trained with `train_vision`), as attention when its path mentions
+"attn"/"attention", as the output head when it is `get_output_embeddings()`, and as MLP otherwise.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from bios.types import LoraConfig, LoraTargetGroup
 from bios.worker.vision import in_vision_tower
 
 Kind = Literal["linear", "conv1d", "experts"]
-Role = Literal["attn", "mlp", "unembed"]
+Role = Literal["attn", "mlp", "unembed", "vision"]
 
-_ROLE_FLAG = {"attn": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed"}
+_ROLE_FLAG = {"attn": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed", "vision": "train_vision"}
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a numeric path component: a layer's (or expert's) index
 
 
@@ -99,7 +100,9 @@ def _discover(model: nn.Module) -> tuple[list[_Found], list[Unadaptable]]:
     refused: list[Unadaptable] = []
     inside_refused: tuple[str, ...] = ()  # the parts of a refused module are not reported again
     for name, module in model.named_modules():
-        if in_vision_tower(name):  # LoRA trains a vision-language model's language model only
+        if in_vision_tower(name):  # the image encoder: its linear layers only (not the patch embedding)
+            if type(module).__dict__.get("bios_lora_base", type(module)) is nn.Linear:
+                found.append(_Found(LoraTarget(name, module.in_features, module.out_features), "vision"))
             continue
         role = _role(name, module, head)
         kind = type(module)
@@ -133,7 +136,7 @@ def all_targets(model: nn.Module) -> list[LoraTarget]:
 
 def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
     """The weights `config` trains, in module order: attention when `train_attn`, MLP (experts included) when
-    `train_mlp`, the output head when `train_unembed`.
+    `train_mlp`, the output head when `train_unembed`, the vision tower's linear layers when `train_vision`.
 
     Raises `BadRequestError` naming the module when a part `config` trains holds a weight matrix LoRA cannot
     adapt (a quantized linear, an unknown layer type): training around it would silently leave it out.
@@ -148,6 +151,9 @@ def lora_targets(model: nn.Module, config: LoraConfig) -> list[LoraTarget]:
                 f"custom layers are not supported); load an unquantized base model, or set {flag}=false",
                 field=flag,
             )
+    if config.train_vision and not any(entry.role == "vision" for entry in found):
+        raise BadRequestError("train_vision trains a vision-language model's image encoder, and this base model "
+                              "has none: set train_vision=false", field="train_vision")
     return [entry.target for entry in found if getattr(config, _ROLE_FLAG[entry.role])]
 
 
