@@ -4,9 +4,10 @@ The coordinator checks `expected_tokens` of every image chunk at acceptance and 
 chunks into pixel values; both count tokens with `image_token_count`, the one rule, computed from the model's
 image processor config (`VisionConfig`) with no torch. Decoding uses Pillow only.
 
-The count is the Qwen2-VL family's (Qwen2.5-VL and Qwen3-VL share its image processor): the image is resized so both sides are multiples of `patch_size *
-merge_size` and its area lies in [min_pixels, max_pixels] (`smart_resize`, as in Transformers), cut into
-`patch_size` patches, and every `merge_size x merge_size` patches become one token.
+The count is the Qwen2-VL family's (Qwen2.5-VL and Qwen3-VL share its image processor): the image is
+resized so both sides are multiples of `patch_size * merge_size` and its area lies in [min_pixels,
+max_pixels] (`smart_resize`, as in Transformers), cut into `patch_size` patches, and every `merge_size x
+merge_size` patches become one token.
 """
 
 from __future__ import annotations

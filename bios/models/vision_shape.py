@@ -1,7 +1,8 @@
 """A vision-language model's image encoder as memory sees it: its frozen weights and one pass's working set.
 
-LoRA trains the language model only, so the vision tower runs with no tensor requiring a gradient and autograd
-saves none of its activations; what a pass costs is the transient working set of its blocks over the image's
+By default LoRA trains the language model only, so the vision tower runs with no tensor requiring a gradient
+and autograd saves none of its activations (the activations a `train_vision` run saves in the tower are not
+counted: such a run may need smaller passes than the plan's); what a pass costs is the transient working set of its blocks over the image's
 patches (`merge_size`² patches per image token). The estimate is an upper bound by construction:
 
 - every token of the pass is taken to be an image token (a pass holds at most `batch_tokens` image tokens);

@@ -24,7 +24,8 @@ _VISION_TOWER_PARTS = frozenset({"visual", "vision_tower", "vision_model", "mult
 
 
 def in_vision_tower(module_name: str) -> bool:
-    """Whether `module_name` lies in a vision-language model's image encoder (which LoRA does not train)."""
+    """Whether `module_name` lies in a vision-language model's image encoder (LoRA trains it only with
+    `LoraConfig.train_vision`)."""
     return not _VISION_TOWER_PARTS.isdisjoint(module_name.split("."))
 
 
