@@ -148,14 +148,16 @@ def test_train_vision_on_a_text_only_model_is_refused():
         AdapterState.create("x", loaded.model, t.LoraConfig(rank=4, train_vision=True), device="cpu")
 
 
-def test_image_and_text_prompts_sample_in_one_batch_as_alone(models):
-    loaded, reader = models["qwen2_vl"]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_and_text_prompts_sample_in_one_batch_as_alone(family, models):
+    """Left-padded prompts of different lengths, with and without an image and an adapter, in one batch."""
+    loaded, reader = models[family]
     model = loaded.model
     adapter = randomized(model, "s", t.LoraConfig(rank=4, seed=5, train_vision=True), 5)
     expanded = reader.expand(image_datum(loaded.tokenizer, (30, 60, 90)).model_input, "prompt")
     params = t.SamplingParams(max_tokens=6, temperature=0)
     items = [SampleItem(adapter, expanded.tokens.tolist(), 1, params, images=expanded.images),
-             SampleItem(adapter, list(b"hello there"), 1, params),
+             SampleItem(adapter, list(b"a longer text-only prompt"), 1, params),
              SampleItem(None, expanded.tokens.tolist(), 1, params, images=expanded.images)]
     eos = loaded.info.eos_token_id
     together = generate(model, None, items, eos_token_id=eos, images=reader)
