@@ -1,9 +1,9 @@
 """Every public method of the official tinker 0.38 SDK's clients, driven against one keyed Bios cluster.
 
 The methods are enumerated from the installed package, so a method a later SDK adds fails the test until it is
-driven here. Each works, or fails with the meaning Bios documents for it (JWT `whoami`: the server has JWT auth
-off). Then the per-key accounting: usage, audit and sessions are scoped to their key; the admin (the worker
-token) sees every key's.
+driven here. Each works, or fails with the meaning Bios documents for it (`SamplingClient.get_tokenizer` looks
+the base model up on the Hugging Face hub). Then the per-key accounting: usage, audit and sessions are scoped to
+their key; the admin (the worker token) sees every key's.
 """
 
 from __future__ import annotations
@@ -254,8 +254,9 @@ def test_every_public_method_of_the_tinker_sdk_runs_against_bios(keyed, monkeypa
     traced = {e["args"]["request_id"].split("#")[0] for e in trace["traceEvents"] if "request_id" in e.get("args", {})}
     assert tc.model_id in traced and traced & set(session.sampler_ids)  # training requests and samples
 
-    with pytest.raises(RuntimeError, match="JWT"):  # Bios authenticates keys, not JWTs
-        rest.whoami().result()
+    who = rest.whoami().result()  # the SDK traded the key for a JWT; its claims name the key
+    assert (who.user_urn, who.org_urn, who.email) == (f"bios:key:{_key_id(keyed.alice)}", "tml:organization:bios",
+                                                      None)
     rest.get_telemetry()
     day = datetime.now(timezone.utc)
     start, end = _hour(day - timedelta(hours=1)), _hour(day + timedelta(hours=1))
@@ -408,7 +409,7 @@ def test_usage_audit_and_sessions_are_scoped_to_their_key(keyed):
     assert {dave_id, alice_id} <= owners
 
 
-# ------------------------------------------------------------------------------------------ routes behind SDK flags
+# ------------------------------------------------------------------------------------------ routes behind SDK flags, keys
 
 
 def test_routes_the_sdk_calls_only_behind_flags(keyed, tmp_path):
@@ -464,15 +465,20 @@ def test_routes_the_sdk_calls_only_behind_flags(keyed, tmp_path):
     keys.close()
     carol_http = httpx.Client(base_url=f"{keyed.url}/api/v1", headers={"X-API-Key": carol}, timeout=30)
     assert json_of(carol_http.get("/auth/apikey/me"))["name"] == "carol"
+    jwt = json_of(carol_http.post("/auth/token", json={}))["jwt"]
+    as_jwt = {"X-API-Key": jwt}
+    assert json_of(carol_http.get("/auth/apikey/me", headers=as_jwt))["name"] == "carol"
+    forged = carol_http.get("/auth/apikey/me", headers={"X-API-Key": jwt[:-4] + "AAAA"})
+    assert forged.status_code == 401 and 'error="invalid_token"' in forged.headers["WWW-Authenticate"]
     assert carol_http.delete("/auth/apikey/me").status_code == 200
     assert carol_http.get("/auth/apikey/me").status_code == 401
+    assert carol_http.get("/auth/apikey/me", headers=as_jwt).status_code == 401  # its tokens die with it
     events = tinker.AdminClient(base_url=keyed.url, api_key=keyed.admin).get_audit_log().result().entries
     assert {"api_key_created", "api_key_revoked"} <= {e.event for e in events if e.event_details.get("name") == "carol"}
 
-    # what Bios does not do answers 501 with the reason
-    for route, body in (("/auth/token", {}), ("/create_custom_loss", {"session_id": "x"})):
-        reply = bob.post(route, json=body)
-        assert reply.status_code == 501 and reply.json()["detail"]
+    # server-side custom losses are not Bios's yet: a 501 with the reason (the SDK runs them on the client)
+    reply = bob.post("/create_custom_loss", json={"session_id": "x"})
+    assert reply.status_code == 501 and "custom_loss_server_side" in reply.json()["detail"]
 
 
 def json_of(reply: httpx.Response) -> Any:

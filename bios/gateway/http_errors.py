@@ -21,7 +21,11 @@ STATUS: dict[str, int] = {
 
 
 def http_status(exc: BiosAPIError) -> int:
-    return STATUS.get(type(exc).__name__, 500)
+    """The status of the error's own class, else of the nearest Bios error it specializes."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in STATUS:
+            return STATUS[cls.__name__]
+    return 500
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -26,6 +26,7 @@ from bios.security.keys import TINKER_PREFIX, WORKER_TOKEN_PREFIX
 from . import json_wire
 from .futures import PROTOBUF
 from .http_errors import http_status
+from .tokens import JWT_PREFIX, InvalidToken, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,14 @@ CALLER = web.RequestKey("caller", Caller)
 OWNER = web.RequestKey("owner", str)  # who a request acts for, from its X-API-Key
 
 
-def identify(api_key: str | None, coordinator: Coordinator) -> Caller:
-    """The caller a request's X-API-Key stands for; AuthenticationError for a missing, malformed or wrong one."""
+def identify(api_key: str | None, coordinator: Coordinator, tokens: Tokens) -> Caller:
+    """The caller a request's X-API-Key (a `tml-` key or a JWT from /auth/token) stands for;
+    AuthenticationError for a missing, malformed, wrong or revoked one."""
+    if api_key and api_key.startswith(JWT_PREFIX):
+        owner, admin = tokens.verify(api_key)
+        if not admin and coordinator.keys is not None and not coordinator.keys.is_active(owner):
+            raise AuthenticationError("the API key this token was issued for was revoked")
+        return Caller(owner, admin)
     if not api_key or not api_key.startswith(TINKER_PREFIX):
         raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
                                   "ServiceClient or set TINKER_API_KEY=tml-...")
@@ -67,6 +74,8 @@ def error_response(exc: BiosAPIError) -> web.Response:
     headers = {}
     if isinstance(exc, RateLimitError):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    if isinstance(exc, InvalidToken):  # RFC 6750: the SDK exchanges its key again and replays the request
+        headers["WWW-Authenticate"] = 'Bearer error="invalid_token"'
     body = {"detail": exc.message, "type": name, "field": exc.field}
     return web.json_response(body, status=status, headers=headers)
 

@@ -3,9 +3,8 @@
 Usage is what `bios.coordinator.usage` accounts per key (training, prefill and sampled tokens, checkpoints
 saved, gigabyte-hours stored), in Tinker's hourly `BillingUsageEvent` shape; Bios prices nothing, so every cost
 and rate is null. A key reads its own usage and audit log; the admin (the worker token) reads every key's.
-JWT exchange is off (`client/config` says `pjwt_auth_enabled=false`): keys authenticate every request
-themselves, so `auth/token` answers 501 and the SDK's `RestClient.whoami` (which reads a JWT's claims) reports
-that the server has JWT auth disabled.
+`auth/token` exchanges the calling key for a short-lived JWT (`client/config` sets `pjwt_auth_enabled`, so the
+SDK sends it instead of the key, and `RestClient.whoami` reads the key, as a URN, from its claims).
 """
 
 from __future__ import annotations
@@ -23,15 +22,17 @@ from bios.coordinator.server import Coordinator
 from bios.coordinator.usage import GIGABYTE, HOUR
 from bios.exceptions import BadRequestError, NotFoundError
 
-from .http_io import API, CALLER, Caller, http_error, query_time, rfc3339
+from .http_io import API, CALLER, Caller, query_time, rfc3339
+from .tokens import Tokens
 
 MAX_WINDOW_S = 14 * 86400  # Tinker's longest usage window
 DAY = 86400.0
 
 
 class AccountRoutes:
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, tokens: Tokens) -> None:
         self.coordinator = coordinator
+        self.tokens = tokens
         self.front_door = coordinator.front_door
         self.labels = coordinator.labels
 
@@ -72,8 +73,9 @@ class AccountRoutes:
         return web.json_response({})
 
     async def token(self, request: web.Request) -> web.Response:
-        return http_error(501, "Bios does not exchange API keys for JWTs (client/config has pjwt_auth_enabled="
-                               "false): send the API key itself in X-API-Key")
+        """A JWT for the calling key (the tinker SDK's exchange; `bios.gateway.tokens`)."""
+        caller: Caller = request[CALLER]
+        return web.json_response({"jwt": self.tokens.issue(caller.owner, caller.admin)})
 
     # ------------------------------------------------------------------------------------ audit
 

@@ -38,6 +38,7 @@ from .routes_checkpoints import CheckpointRoutes
 from .routes_futures import FutureRoutes
 from .routes_sessions import SessionRoutes
 from .signed_urls import SignedUrls
+from .tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,11 @@ class Gateway:
         self.openai = OpenAICompat(coordinator)  # /v1/...: OpenAI-compatible inference
         self.console = Console(coordinator)  # / and /console/...: the read-only web console
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
+        self.tokens = Tokens()  # JWTs the tinker SDK exchanges its key for
         self.sessions = SessionRoutes(coordinator, urls)
         self.checkpoints = CheckpointRoutes(coordinator, urls)
         self.renders = Renders(coordinator)
-        self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator),
+        self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator, self.tokens),
                          FutureRoutes(self.promises, self.config.poll_s), self.openai, self.console]
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -100,7 +102,7 @@ class Gateway:
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.path.startswith(f"{API}/") and request.path != f"{API}/healthz":
-            caller = identify(request.headers.get("X-API-Key"), self.coordinator)
+            caller = identify(request.headers.get("X-API-Key"), self.coordinator, self.tokens)
             request[CALLER], request[OWNER] = caller, caller.owner
         return await handler(request)
 
@@ -204,7 +206,7 @@ class Gateway:
 
     async def client_config(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "pjwt_auth_enabled": False,
+            "pjwt_auth_enabled": True,
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": False,
             "sample_use_retrieve_futures": False,
