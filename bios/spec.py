@@ -264,10 +264,7 @@ def check_adam(params: t.AdamParams) -> None:
         ("weight_decay", lambda v: v >= 0, "must be >= 0"),
         ("grad_clip_norm", lambda v: v >= 0, "must be >= 0 (0 disables clipping)"),
     )
-    for name, ok, rule in rules:
-        value = getattr(params, name)
-        if not _is_number(value) or not ok(value):
-            raise BadRequestError(f"AdamParams.{name} {rule}, got {value!r}", field=f"adam_params.{name}")
+    _check_numbers(params, rules, "adam_params")
 
 
 def check_dimuon(params: t.DimuonParams) -> None:
@@ -278,10 +275,15 @@ def check_dimuon(params: t.DimuonParams) -> None:
         ("damping", lambda v: v > 0, "must be > 0"),
         ("rank_lr_correction_exponent", lambda v: True, "must be a number (0 disables the rank correction)"),
     )
+    _check_numbers(params, rules, "optimizer_params")
+
+
+def _check_numbers(params: object, rules: Sequence[tuple[str, Any, str]], field: str) -> None:
+    """Each named field of `params` a finite number obeying its rule; the error names the field."""
     for name, ok, rule in rules:
         value = getattr(params, name)
         if not _is_number(value) or not ok(value):
-            raise BadRequestError(f"DimuonParams.{name} {rule}, got {value!r}", field=f"optimizer_params.{name}")
+            raise BadRequestError(f"{type(params).__name__}.{name} {rule}, got {value!r}", field=f"{field}.{name}")
 
 
 OPTIMIZERS: dict[str, type] = {"adamw": t.AdamParams, "dimuon": t.DimuonParams}  # a run's optimizer: its params
