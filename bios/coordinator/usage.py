@@ -1,9 +1,9 @@
 """Usage accounting per key: tokens trained, prefilled and sampled, checkpoints saved, bytes stored over time.
 
-Token counts are written when a request finishes (`record`, from the result router), so a failed request costs
-nothing. Checkpoint storage is kept as intervals (saved .. deleted or replaced) by SQLite triggers on the
-`checkpoints` table, so every way a checkpoint comes or goes (saves, automatic saves, pruning, deletes) is
-counted without its code knowing. Bios prices nothing: Tinker's cost fields stay None.
+Token counts are added to hourly totals when a request finishes (`record`, from the result router), so a failed
+request costs nothing and the table grows by hours, not by requests. Checkpoint storage is kept as intervals
+(saved .. deleted or replaced) by SQLite triggers on the `checkpoints` table, so every way a checkpoint comes
+or goes (saves, automatic saves, pruning, deletes) is counted without its code knowing. Bios prices nothing: Tinker's cost fields stay None.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ HOUR = 3600.0
 GIGABYTE = 1e9  # storage is billed in decimal gigabytes
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_events (
-    time REAL NOT NULL,
+CREATE TABLE IF NOT EXISTS usage_hours (
+    hour INTEGER NOT NULL,
     owner TEXT NOT NULL,
-    session_id TEXT,
-    base_model TEXT,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
     kind TEXT NOT NULL,
-    tokens INTEGER NOT NULL
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY (hour, owner, session_id, base_model, kind)
 );
-CREATE INDEX IF NOT EXISTS usage_by_time ON usage_events (time);
 CREATE TABLE IF NOT EXISTS checkpoint_storage (
     path TEXT NOT NULL,
     run_id TEXT NOT NULL,
@@ -87,12 +87,14 @@ class Usage:
                 self._add(owner, client_session, base_model, PREFILL, op.prompt.length)
                 self._add(owner, client_session, base_model, SAMPLE, sum(len(s.tokens) for s in result.sequences))
 
-    def _add(self, owner: str, session_id: str | None, base_model: str | None, kind: str, tokens: int) -> None:
+    def _add(self, owner: str, session_id: str, base_model: str, kind: str, tokens: int) -> None:
+        """Add to the hour's total (one row per hour, key, session, model and kind, however many requests)."""
         if tokens <= 0:
             return
         try:
-            self.db.execute("INSERT INTO usage_events VALUES (?, ?, ?, ?, ?, ?)",
-                            (time.time(), owner, session_id, base_model, kind, tokens))
+            self.db.execute("INSERT INTO usage_hours VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+                            "tokens = tokens + excluded.tokens",
+                            (int(time.time() // HOUR), owner, session_id, base_model, kind, tokens))
         except RequestFailedError as exc:  # the request ran; a full disk loses only its accounting
             if not is_disk_full(exc):
                 raise
@@ -101,12 +103,11 @@ class Usage:
     # ------------------------------------------------------------------------------------ reading
 
     def buckets(self, owner: str | None, start: float, end: float) -> list[UsageBucket]:
-        """Hourly usage in [start, end) for `owner` (None: every key), by bucket then kind."""
+        """Hourly usage in the hours starting in [start, end) for `owner` (None: every key), by bucket then kind."""
         where, args = _scope(owner)
         rows = self.db.execute(
-            f"SELECT CAST(time / 3600 AS INTEGER), owner, session_id, base_model, kind, SUM(tokens) "
-            f"FROM usage_events WHERE time >= ? AND time < ? {where} GROUP BY 1, 2, 3, 4, 5",
-            (start, end, *args)).fetchall()
+            f"SELECT hour, owner, session_id, base_model, kind, tokens FROM usage_hours "
+            f"WHERE hour * 3600 >= ? AND hour * 3600 < ? {where}", (start, end, *args)).fetchall()
         out = [UsageBucket(row[0] * HOUR, row[1], row[2], row[3], row[4], float(row[5])) for row in rows]
         out += self._checkpoint_buckets(owner, start, end)
         return sorted(out, key=lambda b: (b.bucket_start, b.kind, -b.quantity))
