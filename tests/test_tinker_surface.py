@@ -170,7 +170,10 @@ def test_every_public_method_of_the_tinker_sdk_runs_against_bios(keyed, monkeypa
     assert sc.get_base_model() == BASE == drain(sc.get_base_model_async())
     handle_text = sc.get_sampler_handle()
     clone = tinker.SamplingClient.from_sampler_handle(handle_text, api_key=keyed.alice)
-    assert clone.sample(PROMPT, 1, GREEDY).result(60).sequences[0].tokens == reference
+    cloned = clone.sample(PROMPT, 1, GREEDY).result(60).sequences[0]
+    assert cloned.tokens == reference
+    seq_id = int(cloned.sequence_id.rsplit(":", 1)[0].rsplit("#", 1)[1])
+    assert seq_id // 1_000_000_000 == 1  # the clone joined the sampling session as its client 1
     created = tinker.SamplingClient.create(svc.holder, model_path=sampler_path).result()
     assert created.sample(PROMPT, 1, GREEDY).result(60).sequences[0].tokens == reference
     sc.on_queue_state_change(QueueState.ACTIVE, None)

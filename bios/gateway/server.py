@@ -211,7 +211,7 @@ class Gateway:
             "proto_compress_fwdbwd": False,
             "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False,
-            "sample_join_sampling_session": False,
+            "sample_join_sampling_session": True,
         })
 
     async def client_dynamic_config(self, request: web.Request) -> web.Response:
