@@ -101,6 +101,7 @@ def test_every_public_method_of_the_tinker_sdk_runs_against_bios(keyed, monkeypa
     tc_async = drain(svc.create_lora_training_client_async(base_model=BASE, rank=4, seed=2))
     assert tc_async.model_id != tc.model_id
     handle = svc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is not None  # uploaded: the loss runs on the server
     did(S, "get_server_capabilities", "get_server_capabilities_async", "get_console_url", "get_telemetry",
         "create_rest_client", "create_lora_training_client", "create_lora_training_client_async",
         "create_custom_loss")
@@ -479,9 +480,15 @@ def test_routes_the_sdk_calls_only_behind_flags(keyed, tmp_path):
     events = tinker.AdminClient(base_url=keyed.url, api_key=keyed.admin).get_audit_log().result().entries
     assert {"api_key_created", "api_key_revoked"} <= {e.event for e in events if e.event_details.get("name") == "carol"}
 
-    # server-side custom losses are not Bios's yet: a 501 with the reason (the SDK runs them on the client)
-    reply = bob.post("/create_custom_loss", json={"session_id": "x"})
-    assert reply.status_code == 501 and "custom_loss_server_side" in reply.json()["detail"]
+    # a custom loss graph calling anything off the allow-list is refused when it arrives, naming the call
+    forbidden = {"session_id": session.split(":")[0], "custom_loss_seq_id": 7, "name": "evil",
+                 "inputs": [{"name": "logprobs", "rank": 1}],
+                 "graph": {"format": 1, "nodes": [
+                     {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+                     {"op": "call_function", "name": "boom", "target": "os.system", "args": ["ls"], "kwargs": {}},
+                     {"op": "output", "name": "output", "target": "output", "args": [], "kwargs": {}}]}}
+    reply = bob.post("/create_custom_loss", json=forbidden)
+    assert reply.status_code == 400 and "os.system" in reply.json()["detail"]
 
 
 def json_of(reply: httpx.Response) -> Any:

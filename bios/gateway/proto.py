@@ -50,9 +50,15 @@ def forward_backward_op(msg: pb.ForwardBackwardRequest) -> m.ForwardBackward:
     """
     if not msg.loss_fn:
         raise BadRequestError("loss_fn is missing", field="loss_fn")
-    config = _loss_config(msg)
+    config = {} if msg.loss_fn == "custom" else _loss_config(msg)  # a custom loss's config names it (loss_id)
     data = [_datum(d, f"data[{i}]") for i, d in enumerate(msg.data)]
     return m.ForwardBackward(msg.model_id, msg.seq_id, data, msg.loss_fn, config or None, msg.forward_only)
+
+
+def custom_loss_id(msg: pb.ForwardBackwardRequest) -> str | None:
+    """The `loss_id` a `custom` forward_backward names (from create_custom_loss)."""
+    value = msg.loss_fn_config_v2.get("loss_id")
+    return value.text if value is not None and value.WhichOneof("value") == "text" else None
 
 
 def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -29,8 +30,9 @@ from bios.security.listen import InsecureListenError
 
 from . import json_wire, proto
 from .console import Console
-from .futures import PROTOBUF, Promises, Reply
-from .http_io import API, CALLER, OWNER, errors, http_error, identify, json_body
+from .custom_losses import CustomLosses
+from .futures import PROTOBUF, Promises, Reply, json_reply
+from .http_io import API, CALLER, OWNER, errors, identify, json_body
 from .openai_api import OpenAICompat
 from .renders import Renders
 from .routes_account import AccountRoutes
@@ -87,6 +89,7 @@ class Gateway:
         self.console = Console(coordinator)  # / and /console/...: the read-only web console
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
         self.tokens = Tokens()  # JWTs the tinker SDK exchanges its key for
+        self.custom_losses = CustomLosses()  # losses uploaded by create_custom_loss, by key and loss_id
         self.sessions = SessionRoutes(coordinator, urls)
         self.checkpoints = CheckpointRoutes(coordinator, urls)
         self.renders = Renders(coordinator)
@@ -210,7 +213,7 @@ class Gateway:
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": False,
             "sample_use_retrieve_futures": False,
-            "custom_loss_server_side": False,
+            "custom_loss_server_side": True,
             "sample_join_sampling_session": True,
         })
 
@@ -245,7 +248,10 @@ class Gateway:
         msg = proto.decode_forward_backward(await request.read())
         try:
             op = proto.forward_backward_op(msg)
-        except BadRequestError:
+            if op.loss_fn == "custom":
+                op = dataclasses.replace(op, custom_loss=self.custom_losses.get(request[OWNER],
+                                                                                 proto.custom_loss_id(msg)))
+        except (BadRequestError, NotFoundError):
             self._consume(msg.model_id, msg.seq_id, request[OWNER])
             raise
         request_id = await self._submit(op, request[OWNER], self.renders.forward_backward)
@@ -265,9 +271,14 @@ class Gateway:
             partial(self.renders.external_saved, check_ttl(body.data.get("ttl_seconds")))))
 
     async def create_custom_loss(self, request: web.Request) -> web.Response:
-        return http_error(501, "server-side custom losses are not implemented in Bios yet (client/config says "
-                               "custom_loss_server_side=false, so the tinker SDK runs create_custom_loss losses "
-                               "on the client)")
+        """Check and keep a traced loss; its promise is settled at once with the loss_id."""
+        body, owner = await json_body(request), request[OWNER]
+        self._check_session(body.text("session_id"), owner)
+        loss_id = self.custom_losses.create(owner, body)
+        request_id = ids.request_id(loss_id, 0)
+        self.promises.expect(request_id, owner, self.renders.by_type)
+        self.promises.settle(request_id, json_reply({"loss_id": loss_id, "type": "create_custom_loss"}))
+        return web.json_response({"request_id": request_id})
 
     async def save_weights_for_sampler(self, request: web.Request) -> web.Response:
         def parse(body: json_wire.Body) -> tuple[m.SaveWeights, Callable[[Any], Awaitable[Reply]]]:

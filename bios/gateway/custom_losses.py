@@ -1,0 +1,71 @@
+"""Server-side custom losses for the tinker SDK: `create_custom_loss` uploads a traced loss once per session and
+`forward_backward(loss_fn="custom", {"loss_id"})` names it.
+
+The graph is checked when it arrives (`bios.custom_loss`: every node against the allow-list, a BadRequestError
+naming the operation otherwise) and kept here, per key; each forward_backward that names it carries the graph
+to the coordinator, which checks it again at acceptance. Losses live as long as this gateway: after a restart a
+loss_id is unknown and the client creates the loss again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bios import types as t
+from bios.custom_loss import check_custom_loss
+from bios.exceptions import BadRequestError, NotFoundError
+
+from . import json_wire
+
+
+class CustomLosses:
+    def __init__(self) -> None:
+        self._losses: dict[tuple[str, str], t.CustomLoss] = {}  # (owner, loss_id) -> the checked graph
+
+    def create(self, owner: str, body: json_wire.Body) -> str:
+        """Check and keep the loss of a create_custom_loss body; returns its loss_id."""
+        session_id, seq = body.text("session_id"), body.integer("custom_loss_seq_id")
+        graph = body.child("graph")
+        if graph.integer("format", 1) != 1:
+            raise BadRequestError(f"custom loss graph format {graph.data['format']!r} is not supported (Bios reads "
+                                  "format 1)", field="graph.format")
+        loss = t.CustomLoss(
+            name=body.text("name"),
+            inputs=[_input(i, f"inputs[{k}]") for k, i in enumerate(_list(body.data, "inputs"))],
+            nodes=[_node(n, f"graph.nodes[{k}]") for k, n in enumerate(_list(graph.data, "nodes"))],
+        )
+        check_custom_loss(loss)
+        loss_id = f"{session_id}:loss:{seq}"
+        self._losses[(owner, loss_id)] = loss
+        return loss_id
+
+    def get(self, owner: str, loss_id: str | None) -> t.CustomLoss:
+        if not loss_id:
+            raise BadRequestError('loss_fn "custom" needs loss_fn_config {"loss_id": ...} from create_custom_loss',
+                                  field="loss_fn_config.loss_id")
+        loss = self._losses.get((owner, loss_id))
+        if loss is None:
+            raise NotFoundError(f"no custom loss {loss_id!r} (created in another session, or before the gateway "
+                                "restarted): create it again with ServiceClient.create_custom_loss",
+                                field="loss_fn_config.loss_id")
+        return loss
+
+
+def _list(data: dict[str, Any], name: str) -> list[Any]:
+    value = data.get(name)
+    if not isinstance(value, list):
+        raise BadRequestError(f"{name} must be a list", field=name)
+    return value
+
+
+def _input(raw: Any, where: str) -> t.CustomLossInput:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("rank"), int):
+        raise BadRequestError(f"{where} must be {{name: str, rank: 0, 1 or 2}}", field=where)
+    return t.CustomLossInput(raw["name"], raw["rank"])
+
+
+def _node(raw: Any, where: str) -> t.CustomLossNode:
+    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) for k in ("op", "name", "target")):
+        raise BadRequestError(f"{where} must have string op, name and target", field=where)
+    return t.CustomLossNode(raw["op"], raw["name"], raw["target"], list(raw.get("args") or []),
+                            dict(raw.get("kwargs") or {}))
