@@ -127,3 +127,26 @@ def test_through_the_coordinator_a_ce_graph_equals_cross_entropy_and_a_forbidden
         custom.forward_backward(data, "custom", custom_loss=types.CustomLoss("evil", graph.inputs, nodes)).result(60)
     with pytest.raises(BadRequestError, match="comes with a custom loss graph"):
         custom.forward_backward(data, "custom").result(60)
+
+
+def test_an_uploaded_loss_outlives_the_gateway_and_stays_with_its_key(tmp_path):
+    from tinker.types import CreateCustomLossRequest
+
+    from bios.coordinator.store import Store
+    from bios.exceptions import NotFoundError
+    from bios.gateway.custom_losses import CustomLosses
+    from bios.gateway.json_wire import Body
+
+    handle = trace_loss(weighted_ce, {"logprobs": 1, "weights": 1}, "s1")
+    request = CreateCustomLossRequest(session_id="s1", custom_loss_seq_id=3, name=handle.name,
+                                      inputs=list(handle.inputs), graph=encode_graph(handle))
+    store = Store(tmp_path)
+    loss_id = CustomLosses(store.db).create("alice", Body(request.model_dump(mode="json")))
+    store.close()
+
+    store = Store(tmp_path)  # a restarted coordinator, its gateway new
+    losses = CustomLosses(store.db)
+    assert losses.get("alice", loss_id) == as_bios(weighted_ce, {"logprobs": 1, "weights": 1})
+    with pytest.raises(NotFoundError, match="create_custom_loss"):
+        losses.get("bob", loss_id)
+    store.close()

@@ -5,6 +5,8 @@ checkpoints, sampling and listings; and raw HTTP misuse answered with a 4xx body
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import types
 
 import httpx
 import numpy as np
@@ -350,6 +352,7 @@ async def test_backpressure_is_a_429_with_retry_after():
     class NeverSubmitted:
         front_door = None  # never reached: the gateway refuses before submitting
         keys = labels = usage = audit = None  # a keyless cluster; no route that reads them is called
+        store = types.SimpleNamespace(db=sqlite3.connect(":memory:"))  # where uploaded custom losses would go
 
         def attach_local_client(self, name, on_done):
             return b"gateway"

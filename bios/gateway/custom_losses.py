@@ -2,13 +2,14 @@
 `forward_backward(loss_fn="custom", {"loss_id"})` names it.
 
 The graph is checked when it arrives (`bios.custom_loss`: every node against the allow-list, a BadRequestError
-naming the operation otherwise) and kept here, per key; each forward_backward that names it carries the graph
-to the coordinator, which checks it again at acceptance. Losses live as long as this gateway: after a restart a
-loss_id is unknown and the client creates the loss again.
+naming the operation otherwise) and kept per key in the coordinator's SQLite file, so a loss_id the SDK holds
+still names its loss after a restart; each forward_backward that names it carries the graph to the coordinator,
+which checks it again at acceptance.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from bios import types as t
@@ -18,24 +19,28 @@ from bios.exceptions import BadRequestError, NotFoundError
 from . import json_wire
 
 
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS custom_losses (
+    owner TEXT NOT NULL,
+    loss_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (owner, loss_id)
+);
+"""
+
+
 class CustomLosses:
-    def __init__(self) -> None:
+    def __init__(self, db: Any) -> None:
+        """`db`: the coordinator store's SQLite connection (the uploaded bodies are kept there, as sent)."""
+        self.db = db
+        self.db.executescript(SCHEMA)
         self._losses: dict[tuple[str, str], t.CustomLoss] = {}  # (owner, loss_id) -> the checked graph
 
     def create(self, owner: str, body: json_wire.Body) -> str:
         """Check and keep the loss of a create_custom_loss body; returns its loss_id."""
-        session_id, seq = body.text("session_id"), body.integer("custom_loss_seq_id")
-        graph = body.child("graph")
-        if graph.integer("format", 1) != 1:
-            raise BadRequestError(f"custom loss graph format {graph.data['format']!r} is not supported (Bios reads "
-                                  "format 1)", field="graph.format")
-        loss = t.CustomLoss(
-            name=body.text("name"),
-            inputs=[_input(i, f"inputs[{k}]") for k, i in enumerate(_list(body.data, "inputs"))],
-            nodes=[_node(n, f"graph.nodes[{k}]") for k, n in enumerate(_list(graph.data, "nodes"))],
-        )
-        check_custom_loss(loss)
-        loss_id = f"{session_id}:loss:{seq}"
+        loss = _parse(body)
+        loss_id = f"{body.text('session_id')}:loss:{body.integer('custom_loss_seq_id')}"
+        self.db.execute("INSERT OR REPLACE INTO custom_losses VALUES (?, ?, ?)", (owner, loss_id, json.dumps(body.data)))
         self._losses[(owner, loss_id)] = loss
         return loss_id
 
@@ -45,10 +50,28 @@ class CustomLosses:
                                   field="loss_fn_config.loss_id")
         loss = self._losses.get((owner, loss_id))
         if loss is None:
-            raise NotFoundError(f"no custom loss {loss_id!r} (created in another session, or before the gateway "
-                                "restarted): create it again with ServiceClient.create_custom_loss",
-                                field="loss_fn_config.loss_id")
+            row = self.db.execute("SELECT body FROM custom_losses WHERE owner = ? AND loss_id = ?",
+                                  (owner, loss_id)).fetchone()
+            if row is None:
+                raise NotFoundError(f"no custom loss {loss_id!r} was created with this key: create it with "
+                                    "ServiceClient.create_custom_loss", field="loss_fn_config.loss_id")
+            loss = self._losses[(owner, loss_id)] = _parse(json_wire.Body(json.loads(row[0])))
         return loss
+
+
+def _parse(body: json_wire.Body) -> t.CustomLoss:
+    """The checked loss of a create_custom_loss body (BadRequestError naming what is wrong)."""
+    graph = body.child("graph")
+    if graph.integer("format", 1) != 1:
+        raise BadRequestError(f"custom loss graph format {graph.data['format']!r} is not supported (Bios reads "
+                              "format 1)", field="graph.format")
+    loss = t.CustomLoss(
+        name=body.text("name"),
+        inputs=[_input(i, f"inputs[{k}]") for k, i in enumerate(_list(body.data, "inputs"))],
+        nodes=[_node(n, f"graph.nodes[{k}]") for k, n in enumerate(_list(graph.data, "nodes"))],
+    )
+    check_custom_loss(loss)
+    return loss
 
 
 def _list(data: dict[str, Any], name: str) -> list[Any]:

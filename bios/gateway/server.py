@@ -89,7 +89,7 @@ class Gateway:
         self.console = Console(coordinator)  # / and /console/...: the read-only web console
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
         self.tokens = Tokens()  # JWTs the tinker SDK exchanges its key for
-        self.custom_losses = CustomLosses()  # losses uploaded by create_custom_loss, by key and loss_id
+        self.custom_losses = CustomLosses(coordinator.store.db)  # create_custom_loss uploads, by key and loss_id
         self.sessions = SessionRoutes(coordinator, urls)
         self.checkpoints = CheckpointRoutes(coordinator, urls)
         self.renders = Renders(coordinator)
