@@ -159,12 +159,19 @@ def generate(
         return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images)
 
 
-def _shared_prompts(ordered: list[SampleItem]) -> list[int]:
-    """For each request, the index of the first request with the same prompt and adapter (and no images): its
-    prompt is prefilled once and every such request decodes from that one cache (RL sends many per cycle)."""
-    first: dict[tuple, int] = {}
-    return [i if item.images else first.setdefault((tuple(item.prompt), id(item.adapter)), i)
-            for i, item in enumerate(ordered)]
+def _shared_prompts(ordered: list[SampleItem]) -> tuple[list[int], list[int]]:
+    """(the requests whose prompts are prefilled, each request's row among them): requests with the same prompt
+    and adapter (and no images) share one prefill and decode from its cache (RL sends many per cycle)."""
+    row_of: dict[tuple, int] = {}
+    prefilled: list[int] = []
+    rows = []
+    for i, item in enumerate(ordered):
+        key = ("images", i) if item.images else (tuple(item.prompt), id(item.adapter))
+        if key not in row_of:
+            row_of[key] = len(prefilled)
+            prefilled.append(i)
+        rows.append(row_of[key])
+    return prefilled, rows
 
 
 def _grouped_order(items: list[SampleItem]) -> list[int]:
@@ -187,14 +194,12 @@ def _generate(
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
     seeds = [item.params.seed if item.params.seed is not None else secrets.randbits(63) for item in ordered]
-    shared = _shared_prompts(ordered)
-    prefilled = sorted(set(shared))
-    cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, prefilled, shared, seeds, reader)
+    prefilled, rows_of_requests = _shared_prompts(ordered)
+    cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, prefilled, rows_of_requests,
+                                                                      seeds, reader)
     # One row per sample; the samples of every request with one prompt share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
-    row_of = {request: row for row, request in enumerate(prefilled)}
-    source = torch.tensor([row_of[i] for i in shared], device=logits.device)
-    expand = torch.repeat_interleave(source, counts)
+    expand = torch.repeat_interleave(torch.tensor(rows_of_requests, device=logits.device), counts)
     cache.reorder_cache(expand)
     lengths = [len(item.prompt) for item in ordered]
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
@@ -209,11 +214,11 @@ def _generate(
 
 
 def _prefill(
-    model: nn.Module, requests: list[SampleItem], prefilled: list[int], shared: list[int], seeds: list[int],
+    model: nn.Module, requests: list[SampleItem], prefilled: list[int], rows: list[int], seeds: list[int],
     reader: ImageReader | None,
 ) -> tuple[DynamicCache, Tensor, Tensor, dict[int, PromptScores], Tensor | None]:
     """Run the prompts of the requests `prefilled` (indices into `requests`) once each, left padded so every
-    row's last position is real; request i reads the row of its prompt's first request, `shared[i]`.
+    row's last position is real; request i reads row `rows[i]`.
 
     Returns the cache, the next-token logits, the prompt attention mask and, for a vision-language model, the
     rope deltas (its next position minus its prompt length), each with one row per prefilled prompt, and the
@@ -221,7 +226,6 @@ def _prefill(
     """
     device = model.get_input_embeddings().weight.device
     ordered = [requests[i] for i in prefilled]
-    row_of = {request: row for row, request in enumerate(prefilled)}
     lengths = [len(item.prompt) for item in ordered]
     padded = max(lengths)
     input_ids = torch.zeros(len(ordered), padded, dtype=torch.int64)
@@ -251,8 +255,7 @@ def _prefill(
         questions = PromptQuestions(item.prompt_logprobs, item.topk_prompt_logprobs, item.prompt_alt_tokens_k,
                                     item.params, seed)
         if questions.any:
-            row = row_of[shared[i]]
-            scores[i] = score_prompt(model, hidden[row, padded - lengths[row] :], item.prompt, item.adapter,
+            scores[i] = score_prompt(model, hidden[rows[i], padded - lengths[rows[i]] :], item.prompt, item.adapter,
                                      questions)
     return cache, logits, prompt_mask, scores, rope_deltas
 
