@@ -30,6 +30,7 @@ Pure arithmetic on plain data (no torch, no Transformers), so the coordinator pl
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from bios.exceptions import BadRequestError
@@ -201,26 +202,15 @@ def choose_plan(
             continue
         for dtype in dtypes:
             for checkpointing in (False, True):
-                found = estimate(
-                    config,
-                    lora_rank=lora_rank,
-                    batch_tokens=batch_tokens,
-                    dtype=dtype,
-                    activation_checkpointing=checkpointing,
-                    tp=tp,
-                    num_adapters=num_adapters,
-                    device_type=device_type,
-                    fused_kernels=fused_kernels,
-                    overhead_bytes=overhead_bytes,
-                )
+                sized = partial(estimate, config, lora_rank=lora_rank, dtype=dtype,
+                                activation_checkpointing=checkpointing, tp=tp, num_adapters=num_adapters,
+                                device_type=device_type, fused_kernels=fused_kernels, overhead_bytes=overhead_bytes)
+                found = sized(batch_tokens=batch_tokens)
                 tried.append((tp, dtype, checkpointing, found))
                 if found.total <= USABLE_FRACTION * budget_bytes:
                     plan = Plan(tp, workers // tp, dtype, checkpointing, batch_tokens, found, budget_bytes)
                     while max_batch_tokens and plan.batch_tokens * 2 <= max_batch_tokens:
-                        wider = estimate(config, lora_rank=lora_rank, batch_tokens=plan.batch_tokens * 2, dtype=dtype,
-                                         activation_checkpointing=checkpointing, tp=tp, num_adapters=num_adapters,
-                                         device_type=device_type, fused_kernels=fused_kernels,
-                                         overhead_bytes=overhead_bytes)
+                        wider = sized(batch_tokens=plan.batch_tokens * 2)
                         if wider.total > USABLE_FRACTION * budget_bytes:
                             break
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
