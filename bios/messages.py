@@ -375,8 +375,9 @@ class WorkerStatus:
     host: str
     pid: int
     device: str
-    state: str
+    state: str  # active | joining | waiting | leaving | dead
     last_heartbeat_age_s: float
+    note: str = ""  # why a waiting worker waits (its budget cannot hold the pool's plans)
 
 
 @dataclass(frozen=True)

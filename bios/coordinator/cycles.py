@@ -8,6 +8,11 @@ whole pool was lost) runs restore from their latest automatic checkpoint.
 
 A cycle hit by a failure is aborted: unfinished items go back to their queues and run again on the survivors.
 
+A live worker whose memory budget cannot hold the pool's plans is parked (`bios.coordinator.worker_fit`): it
+stays registered but is left out of the generation, and is weighed again at every new generation and whenever
+the plans change. When every live worker is parked nothing runs: requests wait, with a notice, for a worker
+with room.
+
 Tensor parallelism (a base model's memory plan needs k > 1 workers): a generation is `world // k` replicas of
 k shard holders (rank r holds shard r % k of replica r // k); members beyond a multiple of k stand by. Rank j
 of replica 0 is a survivor holding shard j, which every other replica's rank j takes by broadcast; when no
@@ -37,7 +42,8 @@ from .clock import CycleClock
 from .membership import Member, Membership
 from .ranking import rank_members
 from .metrics import CoordinatorMetrics
-from .mailbox import Adapters, Committed, CycleEnded, Finished, Layout, PoolLayout, Recovered, RunsLost, SelectWork
+from .mailbox import (Adapters, Committed, CycleEnded, Finished, Layout, NotifyWaiting, PoolLayout, Recovered,
+                      RunsLost, SelectWork)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,7 @@ class CycleRunner:
         self._rejoin_deadline = time.monotonic() + rejoin_grace_s if committed else 0.0
         self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
         self.layout = PoolLayout(1, ())  # the tensor-parallel size and plans the current generation runs
+        self.parked: dict[str, str] = {}  # live workers left out because the plans do not fit them -> why
         self._join_failures: dict[str, int] = {}
         self._leaving: list[Member] = []
         self._lock = asyncio.Lock()
@@ -272,21 +279,33 @@ class CycleRunner:
 
     async def _current_generation(self) -> list[Member]:
         """Every membership change bumps the generation, so an unchanged number means unchanged members; a new
-        memory plan (a model that needs tensor parallelism) forms a new generation too."""
+        memory plan (a model that needs tensor parallelism, or one that parks a worker) forms a new generation too."""
         while True:
             members = await self._members_after_restart()
             layout: PoolLayout = await self.scheduler.ask(Layout())
+            self.parked = dict(layout.parked)
+            members = [mb for mb in members if mb.worker_id not in self.parked]
             if self.generation == self.membership.generation:
                 if layout == self.layout:
                     return self.ranked
-                self.membership.bump(f"memory plans changed (tensor-parallel size {self.layout.tp} -> {layout.tp})")
+                self.membership.bump(f"memory plans changed (tensor-parallel size {self.layout.tp} -> {layout.tp}, "
+                                     f"{len(self.parked)} worker(s) parked)")
             if len(members) < layout.tp:
-                log.warning("%d worker(s) alive, but the memory plan splits models over %d: waiting for more",
-                            len(members), layout.tp)
-                await self.membership.changed_since(self.membership.generation)
+                await self._wait_for_room(len(members), layout.tp)
                 continue
             if await self._form(members, layout):
                 return self.ranked
+
+    async def _wait_for_room(self, serving: int, tp: int) -> None:
+        """Too few workers can hold the plans: say why, then wait for membership to change."""
+        if serving or not self.parked:
+            log.warning("%d worker(s) can serve, but the memory plan splits models over %d: waiting for more",
+                        serving, tp)
+        else:
+            why = "; ".join(self.parked.values())
+            log.warning("no live worker can hold the pool's base models: %s", why)
+            await self.scheduler.ask(NotifyWaiting(f"it waits for a worker with room for its base model ({why})"))
+        await self.membership.changed_since(self.membership.generation)
 
     async def _form(self, members: list[Member], layout: PoolLayout) -> bool:
         generation = self.membership.generation

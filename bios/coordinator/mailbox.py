@@ -84,13 +84,15 @@ class Adapters:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the pool holds its base models: the tensor-parallel size and each base model's plan."""
+    """How the pool holds its base models: the tensor-parallel size, each base model's plan, and the live
+    workers whose budget cannot hold them (parked)."""
 
 
 @dataclass(frozen=True)
 class PoolLayout:
     tp: int
     plans: tuple[m.ModelPlan, ...]
+    parked: tuple[tuple[str, str], ...] = ()  # (worker id, why it waits): live workers left out of the generation
 
 
 @dataclass(frozen=True)

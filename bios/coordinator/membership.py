@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from bios import messages as m
@@ -100,16 +101,21 @@ class Membership:
         while self.generation == generation:
             await self._changed.wait()
 
-    def status(self, active: set[str]) -> list[m.WorkerStatus]:
-        """`active` members hold the current state; `joining` ones are registered but not yet in a generation."""
+    def status(self, active: set[str], parked: Mapping[str, str]) -> list[m.WorkerStatus]:
+        """`active` members hold the current state; `waiting` ones are `parked` (the plans do not fit their
+        budget: the note says why); `joining` ones are registered but not yet in a generation."""
         now = time.monotonic()
         return [
-            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device,
-                           "active" if mb.state == "ready" and mb.worker_id in active
-                           else "joining" if mb.state == "ready" else mb.state,
-                           now - mb.last_seen)
+            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, self._state(mb, active, parked),
+                           now - mb.last_seen, parked.get(mb.worker_id, "") if mb.state == "ready" else "")
             for mb in self.members.values()
         ]
+
+    @staticmethod
+    def _state(member: Member, active: set[str], parked: Mapping[str, str]) -> str:
+        if member.state != "ready":
+            return member.state
+        return "waiting" if member.worker_id in parked else "active" if member.worker_id in active else "joining"
 
     def bump(self, why: str) -> None:
         """Start a new generation (the cycle runner re-forms the group before the next cycle)."""

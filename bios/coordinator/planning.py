@@ -1,4 +1,5 @@
-"""How the pool holds its base models: each one's memory plan and the pool's tensor-parallel size.
+"""How the pool holds its base models: each one's memory plan, the pool's tensor-parallel size, and which
+workers wait because their budget cannot hold the plans (`bios.coordinator.worker_fit`).
 
 `choose` decides and changes nothing, so admission can refuse a run with the planner's reason and leave no
 trace; the scheduler `adopt`s a choice once the run is accepted and `forget`s a base model no run uses.
@@ -10,16 +11,19 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from bios import messages as m
 from bios import types as t
 from bios.exceptions import BadRequestError
-from bios.models.memory_plan import Plan, choose_plan, model_shape
+from bios.models.memory_plan import GiB, USABLE_FRACTION, Plan, choose_plan, model_shape
+
+from .worker_fit import fit_workers
 
 log = logging.getLogger(__name__)
 
-Workers = Callable[[], list[Any]]  # the live workers (membership Members: memory_bytes, runtime_bytes, device)
+Workers = Callable[[], list[Any]]  # the live workers (membership Members: worker_id, memory_bytes, runtime_bytes, device)
 
 # Plans are sized for forward/backward passes of at least PLAN_TOKENS_PER_PASS (padded) tokens, and of up to
 # MAX_TOKENS_PER_PASS where the workers' memory holds them; workers split bigger batches into passes of the
@@ -60,14 +64,15 @@ class PoolPlanner:
         if not workers:
             return PlanChoice(base_model, None, "waiting for workers to plan", self.tp, waiting=lora)
         overheads = [worker.runtime_bytes for worker in workers if worker.runtime_bytes]
-        plan = choose_plan(
-            shape, min(worker.memory_bytes for worker in workers), lora_rank=lora.rank,
-            batch_tokens=PLAN_TOKENS_PER_PASS, workers=len(workers), num_adapters=adapters,
+        plan_for = partial(
+            choose_plan, shape, lora_rank=lora.rank, batch_tokens=PLAN_TOKENS_PER_PASS, num_adapters=adapters,
             device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
             allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
             max_batch_tokens=MAX_TOKENS_PER_PASS,
         )
+        serving = self._serving(base_model, {worker.worker_id: worker.memory_bytes for worker in workers}, plan_for)
+        plan = plan_for(min(serving.values()), workers=len(serving))
         tp = max(self.tp, plan.tp)
         for other, other_plan in {**self.plans, base_model: plan}.items():
             problem = model_shape(other).tensor_parallel_problem(tp) if other_plan is not None and tp > 1 else None
@@ -84,6 +89,28 @@ class PoolPlanner:
                 f"runs is not supported: create this run when they are done, or serve {base_model} from another "
                 f"cluster", field="base_model")
         return PlanChoice(base_model, plan, plan.describe(), tp)
+
+    def _serving(self, base_model: str, budgets: dict[str, int], plan_for: Callable[..., Plan]) -> dict[str, int]:
+        """The workers (id -> budget) a plan of `base_model` is sized for: of those that hold the pool's other
+        plans (all, if none does), the ones that can hold `base_model` replicated; all of those when none can,
+        and tensor parallelism then splits it over them. The rest wait (`parked`)."""
+        held = fit_workers(budgets, partial(self._plans_problem, skip=base_model)).serving or tuple(budgets)
+        replicated = fit_workers({worker: budgets[worker] for worker in held},
+                                 partial(_replicate_problem, plan_for)).serving or held
+        return {worker: budgets[worker] for worker in replicated}
+
+    def _plans_problem(self, budget: int, skip: str = "") -> str | None:
+        """Why a worker of `budget` bytes cannot hold some plan of the pool (None: it holds them all)."""
+        for base_model, plan in self.plans.items():
+            if plan is not None and base_model != skip and plan.estimate.total > USABLE_FRACTION * budget:
+                return f"{base_model} needs {plan.estimate.total / USABLE_FRACTION / GiB:.2f} GiB per worker ({plan.name})"
+        return None
+
+    def parked(self) -> tuple[tuple[str, str], ...]:
+        """The live workers whose budget cannot hold the pool's plans, each with why it waits: they stay out of
+        the next generation. Every worker is parked when none can hold them (the runs then wait for one)."""
+        budgets = {worker.worker_id: worker.memory_bytes for worker in self.workers()}
+        return tuple(sorted(fit_workers(budgets, self._plans_problem).parked.items()))
 
     def adopt(self, choice: PlanChoice) -> None:
         self.plans[choice.base_model] = choice.plan
@@ -131,3 +158,12 @@ class PoolPlanner:
     def model_plans(self) -> list[m.ModelPlan]:
         return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens)
                 for name, plan in self.plans.items() if plan is not None]
+
+
+def _replicate_problem(plan_for: Callable[..., Plan], budget: int) -> str | None:
+    """Why a worker of `budget` bytes cannot hold a model replicated, whatever its plan (None: it can)."""
+    try:
+        plan_for(budget, workers=1)  # one worker: only replicated plans are tried
+    except BadRequestError as exc:
+        return exc.message
+    return None

@@ -119,7 +119,7 @@ class Scheduler(Actor):
                     for r in self.runs.values() if r.status == "ready"]
         if isinstance(message, Layout):
             await self._plan_waiting()
-            return PoolLayout(self.planner.tp, tuple(self.planner.model_plans()))
+            return PoolLayout(self.planner.tp, tuple(self.planner.model_plans()), self.planner.parked())
         if isinstance(message, PlanDescriptions):
             return dict(self.planner.notes)
         if isinstance(message, RunsLost):

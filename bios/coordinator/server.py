@@ -284,7 +284,7 @@ class Coordinator:
             cycles_run=self.clock.cycles_run,
             cycle_s=self.config.cycle_s,
             generation=self.membership.generation,
-            workers=self.membership.status(active=self.runner.holders),
+            workers=self.membership.status(active=self.runner.holders, parked=self.runner.parked),
             queue_depth=await self.scheduler.ask(QueueDepth()),
             runs=len(self.store.list_runs()),
             busy_s=self.clock.busy_s,

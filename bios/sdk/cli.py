@@ -90,6 +90,8 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"{'worker':<28} {'state':<8} {'device':<8} {'pid':>7}  host  heartbeat")
     for w in status.workers:
         print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
+        if w.note:
+            print(f"  {w.note}")
     for base_model, plan in status.plans.items():
         print(f"plan {base_model}: {plan}")
     if status.state_dir is not None:

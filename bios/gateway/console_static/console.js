@@ -110,7 +110,8 @@ async function runsView(view) {
 function clusterTables(status, runs) {
   const workers = status.workers.map(w => el("tr", {class: "worker", "data-worker": w.worker_id},
     el("td", {}, w.worker_id), el("td", {class: "state-" + w.state}, w.state), el("td", {}, w.device),
-    el("td", {}, w.host), el("td", {class: "num"}, w.pid), el("td", {class: "num"}, fmt.age(w.last_heartbeat_age_s))));
+    el("td", {}, w.host), el("td", {class: "num"}, w.pid), el("td", {class: "num"}, fmt.age(w.last_heartbeat_age_s)),
+    el("td", {}, w.note)));
   const dtypes = {};
   for (const r of runs) if (r.base_dtype) dtypes[r.base_model] = r.base_dtype;
   const pools = [...new Set([...Object.keys(status.plans), ...Object.keys(dtypes)])].map(model => el("tr", {},
@@ -122,7 +123,7 @@ function clusterTables(status, runs) {
   const busy = status.uptime_s ? (100 * status.busy_s / status.uptime_s).toFixed(0) : "0";
   return [
     el("h2", {}, `Workers (generation ${status.generation})`),
-    table(["worker", "state", "device", "host", "pid", "heartbeat"], workers, {id: "workers"}),
+    table(["worker", "state", "device", "host", "pid", "heartbeat", "note"], workers, {id: "workers"}),
     el("h2", {}, "Base models"), table(["base model", "base dtype", "memory plan"], pools, {id: "pools"}),
     el("h2", {}, "Queue and cycles"),
     el("p", {id: "queue"}, `${status.queue_depth} request(s) queued; ${status.cycles_run} cycle(s) run, busy ${busy}% ` +
