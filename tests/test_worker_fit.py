@@ -14,13 +14,20 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from conftest import BASE, assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
+from conftest import (
+    BASE,
+    assert_same_weights,
+    saved_adapter,
+    text_datum,
+    train_steps,
+    wait_for_workers,
+)
 
 import bios
 from bios import types
 from bios.coordinator.planning import PoolPlanner
 from bios.coordinator.worker_fit import fit_workers
-from bios.models.memory_plan import GiB, USABLE_FRACTION, ModelShape, estimate
+from bios.models.memory_plan import USABLE_FRACTION, GiB, ModelShape, estimate
 
 TINYLLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
              "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4}

@@ -17,7 +17,7 @@ from typing import Any
 from bios import messages as m
 from bios import types as t
 from bios.exceptions import BadRequestError
-from bios.models.memory_plan import GiB, USABLE_FRACTION, Plan, choose_plan, model_shape
+from bios.models.memory_plan import USABLE_FRACTION, GiB, Plan, choose_plan, model_shape
 
 from .worker_fit import fit_workers
 
