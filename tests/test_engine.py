@@ -244,7 +244,9 @@ def test_forward_only_builds_no_graph_and_matches_forward_backward():
     trained, probe = perturbed_adapter(model, "trained", 8, 1), perturbed_adapter(model, "probe", 4, 2)
     data = make_batch(20, [9, 14])
     grad_modes: list[bool] = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, out: grad_modes.append(out.requires_grad))
+    # the head returns log-probs, or (log-probs, loss) for a pass that trains only on cross-entropy
+    hook = model.lm_head.register_forward_hook(
+        lambda module, args, out: grad_modes.append(getattr(out, "loss", out).requires_grad))
 
     forward_only = forward_backward(model, [ForwardItem(probe, data, "cross_entropy", None, True)])[0]
     assert grad_modes == [False]

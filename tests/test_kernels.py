@@ -136,7 +136,7 @@ def test_linear_cross_entropy_no_grad_path_does_no_gradient_work(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the forward-only path computed a gradient")
 
-    monkeypatch.setattr(cross_entropy_module, "_grad_hidden_chunk_", fail)
+    monkeypatch.setattr(cross_entropy_module, "_accumulate_grads_", fail)
     with torch.no_grad():
         logprobs = linear_cross_entropy(hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, lora_scale=0.5)
     assert logprobs.grad_fn is None

@@ -5,7 +5,8 @@ tokens over a 128k vocabulary is 2 GiB of fp32 logits before the backward double
 rows exists at a time. With a frozen head (the LoRA case) the gradient w.r.t. `hidden` is computed inside
 forward, so backward is a per-row scale and the logits are never recomputed. When a head parameter is
 trainable its gradient depends on the caller's per-row `grad_output`, so backward recomputes each chunk's
-logits instead (one extra head matmul, no stored logits).
+logits instead (one extra head matmul, no stored logits), unless the caller's loss is a weighted sum of the
+log-probs (`linear_weighted_loss`, cross-entropy): then every gradient is accumulated in forward too.
 """
 
 import torch
@@ -40,15 +41,51 @@ def linear_cross_entropy(
     Differentiable w.r.t. hidden, weight and the LoRA factors; under `torch.no_grad()` (or when nothing
     requires grad) it is the forward-only path and does no gradient work. Callers drop weight-0 tokens first.
     """
-    lora = _check_inputs(hidden, weight, targets, lora_a, lora_b)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
-    chunk = chunk_size or default_chunk_size(weight.shape[0])
-    trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in trainable)):
+    chunk, differentiable = _checked_call(hidden, weight, targets, lora_a, lora_b, chunk_size)
+    if not differentiable:
         with torch.no_grad():
             return _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)[0]
     return _LinearCrossEntropy.apply(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
+
+
+def linear_weighted_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_weights: torch.Tensor,
+    *,
+    lora_a: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets) [N], `-(token_weights * log p).sum()`) for the head of `linear_cross_entropy`.
+
+    The cross-entropy loss of a whole batch: its gradient w.r.t. each row's log-prob is `-token_weights`,
+    known before any logits are, so every gradient (hidden, a trainable weight, the LoRA factors) is
+    accumulated while each chunk's logits exist and backward only scales them by the loss's gradient. The
+    head matmul runs once in forward and once for d hidden, where `linear_cross_entropy` with a trainable head
+    must recompute the logits in backward. Only the loss is differentiable; the log-probs are for reporting.
+    """
+    if token_weights.shape != targets.shape:
+        raise ValueError(f"linear_weighted_loss: token_weights has shape {tuple(token_weights.shape)} but targets "
+                         f"{tuple(targets.shape)}; give one weight per target")
+    chunk, differentiable = _checked_call(hidden, weight, targets, lora_a, lora_b, chunk_size)
+    if not differentiable:
+        with torch.no_grad():
+            logprobs = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)[0]
+        return logprobs, -(token_weights.to(logprobs.dtype) * logprobs).sum()
+    return _LinearWeightedLoss.apply(hidden, weight, targets, token_weights, lora_a, lora_b, lora_scale, chunk)
+
+
+def _checked_call(hidden, weight, targets, lora_a, lora_b, chunk_size) -> tuple[int, bool]:
+    """Check the inputs; the chunk size to use and whether any gradient is wanted (else: forward only)."""
+    lora = _check_inputs(hidden, weight, targets, lora_a, lora_b)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in trainable)
+    return chunk_size or default_chunk_size(weight.shape[0]), differentiable
 
 
 def _check_inputs(hidden, weight, targets, lora_a, lora_b) -> bool:
@@ -119,8 +156,13 @@ class _LogitsBuffer:
         return dlogits if self.softmax is self.matmul else self.matmul[: dlogits.shape[0]].copy_(dlogits)
 
 
-def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grad_hidden=None):
-    """Log-probs and row log-sum-exps, chunk by chunk; also fills `grad_hidden` (d log p / d hidden) if given."""
+def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grads=None, row_scale=None):
+    """Log-probs and row log-sum-exps, chunk by chunk.
+
+    With `grads` (grad_hidden, grad_weight, grad_a, grad_b; any may be None) it also accumulates the gradient
+    of `sum(row_scale * log p)` (row_scale None: of each row's own log p) into them, so no backward has to
+    compute the logits again.
+    """
     n = hidden.shape[0]
     dtype = _result_dtype(hidden.dtype)
     logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -128,15 +170,22 @@ def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, 
     buffer = _LogitsBuffer(min(chunk, n), weight)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
+        chunk_grads = None if grads is None else _rows_of(grads, rows)
         _forward_chunk_(
-            buffer, logprobs[rows], lse[rows], None if grad_hidden is None else grad_hidden[rows],
-            hidden[rows], weight, targets[rows], lora_a, lora_b, lora_scale,
+            buffer, logprobs[rows], lse[rows], chunk_grads, hidden[rows], weight, targets[rows], lora_a, lora_b,
+            lora_scale, None if row_scale is None else row_scale[rows],
         )
     return logprobs, lse
 
 
-def _forward_chunk_(buffer, logprobs, lse, grad_hidden, h, weight, targets, lora_a, lora_b, lora_scale) -> None:
-    """One chunk; log-probs, log-sum-exps and (if wanted) d log p / d hidden are written in place."""
+def _rows_of(grads, rows):
+    """The chunk's share of (grad_hidden, grad_weight, grad_a, grad_b): rows of the first, all of the others."""
+    grad_hidden, *parameter_grads = grads
+    return (None if grad_hidden is None else grad_hidden[rows], *parameter_grads)
+
+
+def _forward_chunk_(buffer, logprobs, lse, grads, h, weight, targets, lora_a, lora_b, lora_scale, row_scale) -> None:
+    """One chunk; log-probs and log-sum-exps are written in place, gradients (if `grads`) accumulated."""
     t = targets[:, None]
     logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
     target_logit = logits.gather(1, t).squeeze(1)
@@ -145,29 +194,29 @@ def _forward_chunk_(buffer, logprobs, lse, grad_hidden, h, weight, targets, lora
     row_sum = probs.sum(dim=1, keepdim=True)
     torch.add(row_max.squeeze(1), row_sum.log().squeeze(1), out=lse)
     torch.sub(target_logit, lse, out=logprobs)
-    if grad_hidden is None:
+    if grads is None:
         return
-    dlogits = probs.mul_(row_sum.reciprocal_().neg_())  # d log p(t) / d logits = onehot(t) - softmax
-    dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
-    _grad_hidden_chunk_(grad_hidden, buffer.in_matmul_dtype(dlogits), weight, lora_a, lora_b, lora_scale)
+    if row_scale is None:  # d log p(t) / d logits = onehot(t) - softmax
+        dlogits = probs.mul_(row_sum.reciprocal_().neg_())
+        dlogits.scatter_add_(1, t, torch.ones_like(t, dtype=dlogits.dtype))
+    else:  # times each row's scale
+        scale = row_scale[:, None].to(probs.dtype)
+        dlogits = probs.mul_(row_sum.reciprocal_().mul_(scale).neg_())
+        dlogits.scatter_add_(1, t, scale)
+    _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_scale)
 
 
-def _grad_hidden_chunk_(out, dlogits, weight, lora_a, lora_b, lora_scale):
-    """out = d logits @ d(logits)/d(hidden) for one chunk, written in place; dlogits in the head's dtype."""
-    torch.mm(dlogits, weight, out=out)
-    if lora_a is not None:
-        out.addmm_(dlogits @ lora_b.to(out.dtype), lora_a.to(out.dtype), alpha=lora_scale)
-
-
-def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
-    """One chunk of the trainable-head backward: recomputes the logits and accumulates into `grads` in place."""
+def _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_scale) -> None:
+    """Given one chunk's d loss / d logits: write its rows of grad_hidden, add to the parameters' gradients."""
     grad_hidden, grad_weight, grad_a, grad_b = grads
-    g = grad_logprobs[:, None]
-    logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
-    dlogits = logits.sub_(lse[:, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
-    dlogits.scatter_add_(1, targets[:, None], g.to(logits.dtype))
     if grad_hidden is not None:
-        _grad_hidden_chunk_(grad_hidden, buffer.in_matmul_dtype(dlogits), weight, lora_a, lora_b, lora_scale)
+        in_matmul_dtype = buffer.in_matmul_dtype(dlogits)
+        torch.mm(in_matmul_dtype, weight, out=grad_hidden)
+        if lora_a is not None:
+            grad_hidden.addmm_(in_matmul_dtype @ lora_b.to(grad_hidden.dtype), lora_a.to(grad_hidden.dtype),
+                               alpha=lora_scale)
+    if grad_weight is None and grad_a is None and grad_b is None:
+        return
     h = h.to(dlogits.dtype)
     if grad_weight is not None:
         grad_weight.addmm_(dlogits.T, h)
@@ -177,6 +226,35 @@ def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora
         grad_a.addmm_((dlogits @ lora_b.to(h.dtype)).T, h, alpha=lora_scale)
 
 
+def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
+    """One chunk of the trainable-head backward: recomputes the logits and accumulates into `grads` in place."""
+    g = grad_logprobs[:, None]
+    logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
+    dlogits = logits.sub_(lse[:, None]).exp_().mul_(-g.to(logits.dtype))  # g * (onehot(t) - softmax)
+    dlogits.scatter_add_(1, targets[:, None], g.to(logits.dtype))
+    _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_scale)
+
+
+def _gradient_buffers(hidden, weight, lora_a, lora_b, needs):
+    """Zeroed (grad_hidden, grad_weight, grad_a, grad_b) for the inputs that need one; parameter gradients in
+    at least fp32, as bf16 ones accumulated over chunks would lose precision."""
+    acc = _result_dtype(weight.dtype)
+
+    def zeros(like, needed):
+        return torch.zeros(like.shape, dtype=acc, device=like.device) if needed else None
+
+    need_h, need_w, need_a, need_b = needs
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+    return grad_hidden, zeros(weight, need_w), zeros(lora_a, need_a), zeros(lora_b, need_b)
+
+
+def _in_input_dtypes(grads, weight, lora_a, lora_b):
+    """(grad_hidden, grad_weight, grad_a, grad_b) with the parameters' gradients cast back to their dtypes."""
+    grad_hidden, *parameter_grads = grads
+    return grad_hidden, *(None if grad is None else grad.to(like.dtype)
+                          for grad, like in zip(parameter_grads, (weight, lora_a, lora_b)))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, lora_a, lora_b, lora_scale, chunk):
@@ -184,7 +262,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.precomputed = not any(ctx.needs_input_grad[i] for i in (1, 3, 4))
         if ctx.precomputed:
             grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-            logprobs, _ = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grad_hidden)
+            grads = (grad_hidden, None, None, None)
+            logprobs, _ = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grads)
             ctx.save_for_backward(grad_hidden)
         else:
             logprobs, lse = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk)
@@ -198,27 +277,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grad_hidden * grad_logprobs[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
         hidden, weight, targets, lora_a, lora_b, lse = ctx.saved_tensors
         need_h, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
-        acc = _result_dtype(weight.dtype)  # bf16 parameter gradients are accumulated over chunks in fp32
-
-        def zeros(like, needed):
-            return torch.zeros(like.shape, dtype=acc, device=like.device) if needed else None
-
-        grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
-        grad_weight, grad_a, grad_b = zeros(weight, need_w), zeros(lora_a, need_a), zeros(lora_b, need_b)
+        grads = _gradient_buffers(hidden, weight, lora_a, lora_b, (need_h, need_w, need_a, need_b))
         n = hidden.shape[0]
         buffer = _LogitsBuffer(min(ctx.chunk, n), weight)
         for start in range(0, n, ctx.chunk):
             rows = slice(start, min(start + ctx.chunk, n))
-            _chunk_backward_(
-                buffer, (None if grad_hidden is None else grad_hidden[rows], grad_weight, grad_a, grad_b),
-                grad_logprobs[rows], hidden[rows], weight, targets[rows], lse[rows], lora_a, lora_b, ctx.lora_scale,
-            )
-        return (
-            grad_hidden,
-            grad_weight.to(weight.dtype) if need_w else None,
-            None,
-            grad_a.to(lora_a.dtype) if need_a else None,
-            grad_b.to(lora_b.dtype) if need_b else None,
-            None,
-            None,
-        )
+            _chunk_backward_(buffer, _rows_of(grads, rows), grad_logprobs[rows], hidden[rows], weight, targets[rows],
+                             lse[rows], lora_a, lora_b, ctx.lora_scale)
+        grad_hidden, grad_weight, grad_a, grad_b = _in_input_dtypes(grads, weight, lora_a, lora_b)
+        return grad_hidden, grad_weight, None, grad_a, grad_b, None, None
+
+
+class _LinearWeightedLoss(torch.autograd.Function):
+    """`-(token_weights * log p).sum()`, every gradient computed in the forward chunks (its d loss / d log p is
+    known before the logits are), so backward only scales them: no head matmul is done twice."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, token_weights, lora_a, lora_b, lora_scale, chunk):
+        needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 4, 5))
+        grads = _gradient_buffers(hidden, weight, lora_a, lora_b, needs)
+        row_scale = -token_weights.to(_result_dtype(hidden.dtype))
+        logprobs, _ = _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grads, row_scale)
+        grads = _in_input_dtypes(grads, weight, lora_a, lora_b)
+        ctx.save_for_backward(*(grad for grad in grads if grad is not None))
+        ctx.needs = needs
+        ctx.mark_non_differentiable(logprobs)
+        return logprobs, (row_scale * logprobs).sum()
+
+    @staticmethod
+    def backward(ctx, _grad_logprobs, grad_loss):
+        saved = iter(ctx.saved_tensors)
+        grads = tuple(next(saved) if needed else None for needed in ctx.needs)
+        grad_hidden, grad_weight, grad_a, grad_b = (None if grad is None else grad * grad_loss.to(grad.dtype)
+                                                    for grad in grads)
+        return grad_hidden, grad_weight, None, None, grad_a, grad_b, None, None

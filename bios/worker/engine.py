@@ -22,7 +22,7 @@ from bios.kernels.dimuon import DimuonFactor, dimuon_step
 from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.custom_loss import CompiledLoss
-from bios.worker.losses import compute_loss, validate_inputs
+from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 from bios.worker.vision import ImageReader, RowImages
 from bios.worker.vision_lora import tower_adapters
@@ -47,6 +47,10 @@ class ForwardItem:
         if self.custom_loss is not None:
             return self.custom_loss(logprobs, inputs)
         return compute_loss(self.loss_fn, logprobs, inputs, self.loss_fn_config), {}
+
+    def fixed_token_weights(self, inputs: dict[str, Tensor]) -> Tensor | None:
+        """The loss's `-d loss / d logp` when it does not depend on the log-probs (`losses.fixed_token_weights`)."""
+        return None if self.custom_loss is not None else fixed_token_weights(self.loss_fn, inputs)
 
 
 @dataclass
@@ -185,14 +189,20 @@ def _run_pass(
             hidden = model.base_model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
             ).last_hidden_state
+        token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
+        head_loss = backward and all(weights is not None for weights in token_weights)
         with active_adapters(model, _segments(lengths, adapters)):
-            logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
+            if head_loss:  # every row's loss is a fixed weighting of its log-probs: the head does it all at once
+                logprobs, total = model.get_output_embeddings()(
+                    hidden[attention_mask.bool()], target_ids=targets, token_weights=torch.cat(token_weights).to(device))
+            else:
+                logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
         per_row = list(torch.split(logprobs, lengths))
         losses, metrics = zip(*(items[row.item].loss(row_logprobs, row.inputs)
                                 for row, row_logprobs in zip(rows, per_row)))
         stacked = torch.stack(losses)
         if backward:
-            stacked.sum().backward()
+            (total if head_loss else stacked.sum()).backward()
     outputs = [lp.detach() if row.text_mask is None else lp.detach().masked_fill(~row.text_mask.to(lp.device), 0.0)
                for row, lp in zip(rows, per_row)]
     row_metrics = [{key: float(value.detach()) if isinstance(value, Tensor) else float(value)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from transformers.pytorch_utils import Conv1D
 
-from bios.kernels import linear_cross_entropy, lora_linear_multi
+from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
@@ -83,24 +84,54 @@ def lora_target_logprobs(
     takes the stock path, as does everything with kernels off.
     """
     if bias is not None or not kernels_enabled():
-        logits = lora_forward(x, weight, bias, segments).float()
-        return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    pieces = []
+        return _stock_logprobs(x, weight, bias, segments, target_ids)
+    pieces = [linear_cross_entropy(x[rows], weight, target_ids[rows], **factors)
+              for rows, factors in _head_pieces(x.shape[0], segments)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+class HeadLoss(NamedTuple):
+    logprobs: Tensor  # [T] fp32, not differentiable
+    loss: Tensor  # the scalar -(token_weights * logprobs).sum(), differentiable
+
+
+def lora_target_loss(
+    x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment], target_ids: Tensor,
+    token_weights: Tensor,
+) -> HeadLoss:
+    """The head's log-probs of `target_ids` and the cross-entropy `-(token_weights * logprobs).sum()`.
+
+    With kernels on, `linear_weighted_loss` per run of rows sharing an adapter: as its gradient w.r.t. the
+    log-probs is known up front, the head's logits are computed once, where `lora_target_logprobs` followed
+    by a loss must compute them again in backward when the head has LoRA factors.
+    """
+    if bias is not None or not kernels_enabled():
+        logprobs = _stock_logprobs(x, weight, bias, segments, target_ids)
+        return HeadLoss(logprobs.detach(), -(token_weights.to(logprobs.dtype) * logprobs).sum())
+    pieces = [linear_weighted_loss(x[rows], weight, target_ids[rows], token_weights[rows], **factors)
+              for rows, factors in _head_pieces(x.shape[0], segments)]
+    return HeadLoss(torch.cat([piece[0] for piece in pieces]), torch.stack([piece[1] for piece in pieces]).sum())
+
+
+def _stock_logprobs(x, weight, bias, segments, target_ids) -> Tensor:
+    logits = lora_forward(x, weight, bias, segments).float()
+    return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _head_pieces(rows: int, segments: list[LoraSegment]) -> list[tuple[slice, dict]]:
+    """The runs of `rows` rows that share an adapter (or none), in order, each with its LoRA keyword arguments
+    for the fused head ops (none for rows without an adapter)."""
+    pieces: list[tuple[slice, dict]] = []
     done = 0
     for segment in [*segments, None]:
-        start = x.shape[0] if segment is None else segment.start
+        start = rows if segment is None else segment.start
         if start > done:
-            pieces.append(linear_cross_entropy(x[done:start], weight, target_ids[done:start]))
+            pieces.append((slice(done, start), {}))
         if segment is not None:
-            rows = slice(segment.start, segment.end)
-            pieces.append(
-                linear_cross_entropy(
-                    x[rows], weight, target_ids[rows],
-                    lora_a=segment.lora_a, lora_b=segment.lora_b, lora_scale=segment.scale,
-                )
-            )
+            factors = dict(lora_a=segment.lora_a, lora_b=segment.lora_b, lora_scale=segment.scale)
+            pieces.append((slice(segment.start, segment.end), factors))
             done = segment.end
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return pieces
 
 
 class LoraLinear(nn.Linear):
@@ -108,10 +139,13 @@ class LoraLinear(nn.Linear):
 
     lora_segments: list[LoraSegment]
 
-    def forward(self, x: Tensor, target_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, target_ids: Tensor | None = None, token_weights: Tensor | None = None):
         """Outputs [..., out]; given `target_ids` [T] for x [T, in] (an output head), only the log-prob of
-        each row's target instead, [T] fp32, without the whole [T, vocab] logits (`lora_target_logprobs`).
+        each row's target instead, [T] fp32, without the whole [T, vocab] logits (`lora_target_logprobs`);
+        given `token_weights` [T] too, those log-probs and their cross-entropy (`lora_target_loss`).
         Called as a module either way, so hooks on the head see the call."""
+        if token_weights is not None:
+            return lora_target_loss(x, self.weight, self.bias, self.lora_segments, target_ids, token_weights)
         if target_ids is not None:
             return lora_target_logprobs(x, self.weight, self.bias, self.lora_segments, target_ids)
         return lora_forward(x, self.weight, self.bias, self.lora_segments)

@@ -132,6 +132,13 @@ COMPUTE: dict[str, LossCompute] = {
 assert COMPUTE.keys() == spec.LOSSES.keys(), "every loss of the request spec needs its computation here"
 
 
+def fixed_token_weights(loss_fn: str, inputs: Mapping[str, Tensor]) -> Tensor | None:
+    """`c` when the loss is `-(c * logp).sum()` with `c` known before any forward (cross_entropy: its
+    weights), else None. Such a loss's gradient w.r.t. the log-probs is `-c` whatever the log-probs are, which
+    lets the output head accumulate every gradient in its one forward (`bios.kernels.linear_weighted_loss`)."""
+    return inputs["weights"] if loss_fn == "cross_entropy" else None
+
+
 def validate_inputs(loss_fn: str, inputs: Mapping[str, Tensor], num_tokens: int) -> None:
     """BadRequestError naming the problem if a required input is missing or an input the loss reads is not [N]."""
     loss = spec.loss_spec(loss_fn)

@@ -1,0 +1,139 @@
+"""The cross-entropy head (`linear_weighted_loss`, `lora_target_loss`, the engine's use of it) equals the
+log-probs path followed by the loss, and computes the head's logits once where that path computes them twice.
+"""
+
+import pytest
+import torch
+from test_kernels import TOLERANCE, LargestTensor, _bf16_close, _ce_inputs, _close, _grads, _naive_logprobs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bios import types
+from bios.kernels import linear_cross_entropy, linear_weighted_loss
+from bios.worker.adapter import AdapterState
+from bios.worker.engine import ForwardItem, forward_backward
+from bios.worker.lora import attach_lora
+from test_engine import tiny_llama
+
+
+def _naive_loss(hidden, weight, targets, token_weights, lora_a=None, lora_b=None, scale=1.0):
+    logprobs = _naive_logprobs(hidden, weight, targets, lora_a, lora_b, scale)
+    return logprobs, -(token_weights.to(logprobs.dtype) * logprobs).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk_size", [1, 7, 500])
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_weighted_loss_matches_naive_in_value_and_every_gradient(dtype, chunk_size, train_weight):
+    hidden, weight, targets, token_weights, lora_a, lora_b = _ce_inputs(37, 16, 101, dtype, rank=4)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)] + ([weight.requires_grad_()] if train_weight else [])
+    logprobs, loss = linear_weighted_loss(hidden, weight, targets, token_weights, lora_a=lora_a, lora_b=lora_b,
+                                          lora_scale=0.5, chunk_size=chunk_size)
+    expected_logprobs, expected_loss = _naive_loss(hidden, weight, targets, token_weights, lora_a, lora_b, 0.5)
+    assert logprobs.grad_fn is None and loss.grad_fn is not None
+    _close(logprobs, expected_logprobs.detach(), TOLERANCE[dtype])
+    _close(loss, expected_loss.detach(), TOLERANCE[dtype] * 10)
+    upstream = torch.tensor(2.5, dtype=loss.dtype)  # backward scales every precomputed gradient by it
+    for actual, reference in zip(_grads(loss, inputs, upstream), _grads(expected_loss, inputs, upstream)):
+        _close(actual, reference, TOLERANCE[dtype] * 10)
+
+
+def test_weighted_loss_without_a_lora_head_and_under_no_grad():
+    hidden, weight, targets, token_weights, _, _ = _ce_inputs(20, 8, 40, torch.float64)
+    hidden.requires_grad_()
+    _, loss = linear_weighted_loss(hidden, weight, targets, token_weights, chunk_size=6)
+    _, expected = _naive_loss(hidden, weight, targets, token_weights)
+    _close(_grads(loss, [hidden], None)[0], _grads(expected, [hidden], None)[0], 1e-7)
+    with torch.no_grad():
+        logprobs, loss = linear_weighted_loss(hidden, weight, targets, token_weights)
+    assert loss.grad_fn is None
+    _close(loss, expected.detach(), 1e-7)
+
+
+def test_weighted_loss_bf16_keeps_parameter_dtypes():
+    hidden, weight, targets, token_weights, lora_a, lora_b = _ce_inputs(40, 32, 300, torch.bfloat16, rank=4)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    _, loss = linear_weighted_loss(hidden, weight, targets, token_weights, lora_a=lora_a, lora_b=lora_b,
+                                   lora_scale=0.5, chunk_size=16)
+    grads = _grads(loss, inputs, None)
+    assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.bfloat16] * 3
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    _, expected = _naive_loss(exact[0], weight.double(), targets, token_weights, exact[1], exact[2], 0.5)
+    for actual, reference in zip(grads, _grads(expected, exact, None)):
+        _bf16_close(actual, reference)
+
+
+def test_weighted_loss_refuses_weights_of_another_length():
+    hidden, weight, targets, token_weights, _, _ = _ce_inputs(10, 8, 20, torch.float32)
+    with pytest.raises(ValueError, match=r"token_weights has shape \(9,\) but targets \(10,\)"):
+        linear_weighted_loss(hidden, weight, targets, token_weights[:9])
+
+
+class HeadMatmuls(TorchDispatchMode):
+    """Counts matmuls that read the whole [V, H] head weight: the logits, and the gradient of the hidden states."""
+
+    def __init__(self, head_shape: tuple[int, int]):
+        super().__init__()
+        self.shapes, self.count = {head_shape, head_shape[::-1]}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += any(isinstance(a, torch.Tensor) and tuple(a.shape) in self.shapes for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_trainable_lora_head_costs_two_head_matmuls_not_three():
+    n, h, v = 64, 16, 300
+    hidden, weight, targets, token_weights, lora_a, lora_b = _ce_inputs(n, h, v, torch.float32, rank=4)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    with HeadMatmuls((v, h)) as recompute:
+        logprobs = linear_cross_entropy(hidden, weight, targets, lora_a=lora_a, lora_b=lora_b, chunk_size=n)
+        torch.autograd.grad(-(token_weights.float() * logprobs).sum(), inputs)
+    with HeadMatmuls((v, h)) as fused:
+        _, loss = linear_weighted_loss(hidden, weight, targets, token_weights, lora_a=lora_a, lora_b=lora_b,
+                                       chunk_size=n)
+        torch.autograd.grad(loss, inputs)
+    assert (recompute.count, fused.count) == (3, 2)
+    hidden, weight, targets, token_weights, lora_a, lora_b = _ce_inputs(64, 4, 50, torch.float32, rank=2)
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]  # all smaller than a chunk of logits
+    with LargestTensor() as largest:
+        _, loss = linear_weighted_loss(hidden, weight, targets, token_weights, lora_a=lora_a, lora_b=lora_b,
+                                       chunk_size=8)
+        torch.autograd.grad(loss, inputs)
+    assert largest.numel == 8 * 50  # one chunk of logits at a time, as linear_cross_entropy
+
+
+def test_the_engine_gives_the_same_losses_and_gradients_with_and_without_the_fused_head():
+    """cross_entropy rows take `lora_target_loss`; the same rows under a loss that is not a fixed weighting
+    (importance_sampling with advantages = weights and sampler log-probs = the learner's, whose gradient is
+    then the same) take the log-probs path: log-probs, losses and gradients agree, head LoRA included."""
+    model = tiny_llama()
+    attach_lora(model)
+    lora = types.LoraConfig(rank=4, seed=0, train_unembed=True)
+    gen = torch.Generator().manual_seed(0)
+    fused = AdapterState.create("fused", model, lora, device=torch.device("cpu"))
+    plain = AdapterState.create("plain", model, lora, device=torch.device("cpu"))
+    with torch.no_grad():  # B starts at zero: move off it so every LoRA factor's gradient is non-trivial
+        fused.params.add_(0.05 * torch.randn(fused.params.shape, generator=gen))
+        plain.params.copy_(fused.params)
+    lengths = (9, 14, 5)
+    tokens = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    weights = [torch.rand(n, generator=gen) for n in lengths]
+
+    def data(**extra):
+        return [types.Datum(model_input=types.ModelInput.from_ints(ids.tolist()), loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(torch.roll(ids, -1)),
+            "weights": types.TensorData.from_torch(w), **{k: v[i] for k, v in extra.items()}})
+            for i, (ids, w) in enumerate(zip(tokens, weights))]
+
+    ce = forward_backward(model, [ForwardItem(fused, data(), "cross_entropy")])[0]
+    sampler = [out["logprobs"] for out in
+               forward_backward(model, [ForwardItem(plain, data(), "cross_entropy", forward_only=True)])[0].loss_fn_outputs]
+    advantages = [types.TensorData.from_torch(w) for w in weights]
+    reference = forward_backward(model, [ForwardItem(plain, data(advantages=advantages, logprobs=sampler),
+                                                     "importance_sampling")])[0]
+    for mine, theirs in zip(ce.loss_fn_outputs, reference.loss_fn_outputs):
+        torch.testing.assert_close(mine["logprobs"].to_torch(), theirs["logprobs"].to_torch(), atol=1e-6, rtol=0)
+    expected_loss = -sum(float((w * q.to_torch()).sum()) for w, q in zip(weights, sampler))
+    assert ce.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
+    assert fused.pending_grad.abs().sum() > 0
+    torch.testing.assert_close(fused.pending_grad, plain.pending_grad, atol=1e-6, rtol=1e-4)
