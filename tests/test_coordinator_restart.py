@@ -39,9 +39,9 @@ def _train(cluster: bios.LocalCluster, disturb=None) -> tuple[list[float], dict]
         service.close()
 
 
-def _cluster(state_dir) -> bios.LocalCluster:
+def _cluster(state_dir, heartbeat_timeout_s: float = 2.0) -> bios.LocalCluster:
     return bios.LocalCluster(workers=2, cycle_s=0.0, worker_threads=1, state_dir=state_dir, checkpoint_every=1,
-                             heartbeat_timeout_s=2.0)
+                             heartbeat_timeout_s=heartbeat_timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,8 @@ def test_requests_sent_while_the_coordinator_is_down_are_run_once(tmp_path, faul
 
 def test_a_stalled_coordinator_keeps_its_workers_and_runs(tmp_path, fault_free):
     rng = random.Random(9)
-    with _cluster(tmp_path) as cluster:
+    # A short timeout keeps ten stalls of three timeouts each brief; workers heartbeat four times per timeout.
+    with _cluster(tmp_path, heartbeat_timeout_s=1.0) as cluster:
         def stall(step: int, futures: list) -> None:
             """Mid-cycle on even steps (the step was just sent), idle on odd ones (after its result)."""
             if step % 2:

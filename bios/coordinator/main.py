@@ -62,6 +62,8 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
         cycle_s=args.cycle_s,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        # Workers heartbeat often enough that a short timeout still spans several heartbeats.
+        worker_heartbeat_s=min(CoordinatorConfig.worker_heartbeat_s, args.heartbeat_timeout / 4),
         seq_gap_s=args.seq_gap,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
