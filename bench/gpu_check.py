@@ -46,6 +46,7 @@ from flops import gemm_peak, training_step_flops  # noqa: E402
 from machine import describe_machine  # noqa: E402
 from memory_plans import MODELS  # noqa: E402
 from peak_memory import PeakMemory  # noqa: E402
+from sampling import one_prompt_many_samples  # noqa: E402
 from training_throughput import make_batch, pipelined_steps_per_s  # noqa: E402
 
 SHAPES = {
@@ -144,36 +145,6 @@ async def training(shape: str, model_dir: Path, args: argparse.Namespace, device
             **{f"{name}_mfu": rate * flops / peak for name, rate in medians.items()}}
 
 
-def hf_generate_tokens_per_s(model_dir: Path, prompt: list[int], samples: int, tokens: int,
-                             device: torch.device) -> float:
-    model = load_base_model(str(model_dir), device=device, dtype=torch.bfloat16).model
-    ids = torch.tensor([prompt], device=device)
-    kwargs = dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, num_return_sequences=samples, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
-        rates = []
-        for _ in range(3):
-            sync(device)
-            started = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-            sync(device)
-            rates.append((out.shape[0] * (out.shape[1] - len(prompt))) / (time.perf_counter() - started))
-    return statistics.median(rates)
-
-
-async def bios_sample_tokens_per_s(model_dir: Path, prompt: list[int], samples: int, tokens: int) -> float:
-    params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
-    with bios.ServiceClient() as service:
-        sampler = await service.create_sampling_client_async(base_model=str(model_dir))
-        await sampler.sample_async(types.ModelInput.from_ints(prompt), samples, params)  # warm-up
-        rates = []
-        for _ in range(3):
-            started = time.perf_counter()
-            result = await sampler.sample_async(types.ModelInput.from_ints(prompt), samples, params)
-            rates.append(sum(len(s.tokens) for s in result.sequences) / (time.perf_counter() - started))
-    return statistics.median(rates)
-
-
 def run_cuda_tests() -> str:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -210,8 +181,9 @@ def main() -> None:
     sample_shape = args.models.split(",")[0]
     prompt = [(17 * i) % 256 for i in range(50)]
     sample_dir = write_model(sample_shape, model_dir, device)
-    hf_rate = hf_generate_tokens_per_s(sample_dir, prompt, 16, 64, device)
-    bios_rate = asyncio.run(bios_sample_tokens_per_s(sample_dir, prompt, 16, 64))
+    hf_rates, bios_rates = asyncio.run(one_prompt_many_samples(str(sample_dir), prompt, 16, 64, rounds=3,
+                                                                device=device, dtype=torch.bfloat16))
+    hf_rate, bios_rate = statistics.median(hf_rates), statistics.median(bios_rates)
 
     print(f"\n{describe_machine()}\nCUDA tests: {tests}\nbf16 GEMM peak {peak / 1e12:.1f} TFLOP/s")
     print(f"\n{'model':<9} {'GFLOP/step':>10} {'PEFT tok/s':>11} {'MFU':>6} {'Bios tok/s':>11} {'MFU':>6} "

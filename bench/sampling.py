@@ -1,7 +1,14 @@
-"""Sampling throughput: 16 concurrent `sample` requests through the cluster (batched by the worker) vs 16
-sequential Hugging Face `generate` calls in one process; and single-request latency vs one `generate`.
+"""Sampling throughput against Hugging Face `generate` on the same weights, in the dtype the worker runs
+(its default, or `BIOS_BASE_DTYPE=float32`):
 
-    python bench/sampling.py [--model smollm2] [--requests 16] [--tokens 64]
+1. RL's shape, the fair baseline: 16 samples x 64 tokens of one ~50-token prompt, one `sample(num_samples=16)`
+   request (the worker prefills the prompt once) against one batched `generate(num_return_sequences=16)`,
+   rounds alternating in one process;
+2. 16 concurrent `sample` requests of different prompts (batched by the worker) vs 16 sequential `generate`
+   calls, and single-request latency vs one `generate`.
+
+    python bench/sampling.py [--model smollm2] [--requests 16] [--tokens 64] [--rounds 5]
+    BIOS_BASE_DTYPE=float32 python bench/sampling.py
 
 Both sides sample at temperature 1 with a KV cache and never stop early (`stop=[]` / no EOS), so they produce
 the same number of tokens.
@@ -11,23 +18,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import bios
 from bios import types
 from bios.models import load_base_model, resolve_model_dir
+from bios.worker.compute_mode import base_dtype
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine  # noqa: E402
 
 PROMPTS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(64)]
 
 
-def hf_generate(model_name: str, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+def hf_generate(model_name: str, prompts: list[list[int]], tokens: int, dtype: torch.dtype) -> tuple[float, float]:
     """(tokens/s over sequential calls, median single-call latency)."""
-    loaded = load_base_model(model_name)
+    loaded = load_base_model(model_name, dtype=dtype)
     model = loaded.model
     latencies = []
     generated = 0
@@ -62,23 +73,68 @@ async def bios_sample(model_name: str, prompts: list[list[int]], tokens: int) ->
     return generated / elapsed, statistics.median(latencies)
 
 
+async def one_prompt_many_samples(model_name: str, prompt: list[int], samples: int, tokens: int, *, rounds: int,
+                                  device: torch.device, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    """Tokens/s per round of one batched HF `generate(num_return_sequences=samples)` and of one Bios
+    `sample(num_samples=samples)` of `prompt`, rounds alternating after a warm-up of each."""
+    model = load_base_model(model_name, device=device, dtype=dtype).model
+    ids = torch.tensor([prompt], device=device)
+    kwargs = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0, "num_return_sequences": samples,
+              "pad_token_id": 0}
+    params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
+    hf_rates, bios_rates = [], []
+    with bios.ServiceClient() as service:
+        sampler = await service.create_sampling_client_async(base_model=model_name)
+        await sampler.sample_async(types.ModelInput.from_ints(prompt), samples, params)  # warm-up: loads the model
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=4, **kwargs)
+        for _ in range(rounds):
+            _sync(device)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+            _sync(device)
+            hf_rates.append(out.shape[0] * (out.shape[1] - len(prompt)) / (time.perf_counter() - started))
+            started = time.perf_counter()
+            result = await sampler.sample_async(types.ModelInput.from_ints(prompt), samples, params)
+            bios_rates.append(sum(len(s.tokens) for s in result.sequences) / (time.perf_counter() - started))
+    return hf_rates, bios_rates
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the one-prompt comparison")
     args = parser.parse_args()
     resolve_model_dir(args.model)
     tokenizer = load_base_model(args.model).tokenizer
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.requests]]
-    ref_rate, ref_latency = hf_generate(args.model, prompts, args.tokens)
+    device = torch.device("cpu")
+    dtype = base_dtype(device).dtype or torch.float32
+    print(describe_machine())
+    print(f"model {args.model} in {str(dtype).removeprefix('torch.')} on both sides, {args.tokens} new tokens per "
+          f"sequence, temperature 1", flush=True)
+    one_prompt = [token for prompt in prompts for token in prompt][:50]
+    hf_rates, bios_rates = asyncio.run(one_prompt_many_samples(args.model, one_prompt, args.requests, args.tokens,
+                                                               rounds=args.rounds, device=device, dtype=dtype))
+    ref_rate, ref_latency = hf_generate(args.model, prompts, args.tokens, dtype)
     rate, latency = asyncio.run(bios_sample(args.model, prompts, args.tokens))
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"model {args.model}: {args.requests} requests x {args.tokens} new tokens, temperature 1")
-    print(f"{'':<48} {'tokens/s':>9} {'latency s':>10} {'ratio':>6}")
-    print(f"{'HF generate, sequential (reference)':<48} {ref_rate:9.1f} {ref_latency:10.3f} {1.0:6.2f}")
-    print(f"{'bios, concurrent requests batched':<48} {rate:9.1f} {'':>10} {rate / ref_rate:6.2f}")
-    print(f"{'bios, one request alone (latency ratio)':<48} {'':>9} {latency:10.3f} {latency / ref_latency:6.2f}")
+    hf_one, bios_one = statistics.median(hf_rates), statistics.median(bios_rates)
+    print(f"\n{'':<58} {'tokens/s':>9} {'latency s':>10} {'ratio':>6}")
+    print(f"{f'HF generate, num_return_sequences={args.requests} (reference)':<58} {hf_one:9.1f} {'':>10} {1.0:6.2f}")
+    print(f"{f'bios, one request of {len(one_prompt)} tokens, {args.requests} samples':<58} {bios_one:9.1f} {'':>10} "
+          f"{bios_one / hf_one:6.2f}   rounds: " + " ".join(f"{b / h:.2f}" for b, h in zip(bios_rates, hf_rates)))
+    print(f"{'HF generate, sequential (reference)':<58} {ref_rate:9.1f} {ref_latency:10.3f} {1.0:6.2f}")
+    print(f"{'bios, concurrent requests batched':<58} {rate:9.1f} {'':>10} {rate / ref_rate:6.2f}")
+    print(f"{'bios, one request alone (latency ratio)':<58} {'':>9} {latency:10.3f} {latency / ref_latency:6.2f}")
+    print(f"\n(after the run) {describe_machine()}")
 
 
 if __name__ == "__main__":
