@@ -6,9 +6,18 @@ with its expert's frozen weight and, when its block has an adapter, the two smal
 LoRA: `x W_eᵀ + b_e + scale (x A_eᵀ) B_eᵀ`. `W + BA` is never formed, and the frozen weights get no gradient
 work. Backward keeps only `x` and the rank-sized `x A_eᵀ`, like `bios.kernels.lora`. On CUDA, where every row
 is 16-byte aligned, each block's three products run as torch grouped GEMMs instead of a loop over experts.
+
+What a MoE layer keeps for backward is what bounds its training memory, so the rows a projection reads can be
+described rather than formed: `rows` gathers them from the layer's tokens (the [tokens * top_k, hidden] sorted
+copy is never made; backward adds each group's gradient into its tokens) and `activation` (the experts' gate)
+is applied per group and recomputed in backward (neither its output nor autograd's intermediates are kept).
+`combine_experts` weights and sums each token's expert outputs, keeping only those outputs and the weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -23,26 +32,33 @@ def expert_linear(
     factors: list[ExpertFactors | None],
     *,
     transposed: bool,
+    rows: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Rows of x [S, in] through their experts: rows are in blocks (`counts[b][e]` rows of expert e in block b,
-    blocks in order, experts in order inside each); block b adds `factors[b]`'s LoRA when it is not None.
+    """Rows `activation(x[rows])` [S, in] through their experts: rows are in blocks (`counts[b][e]` rows of
+    expert e in block b, blocks in order, experts in order inside each); block b adds `factors[b]`'s LoRA when
+    it is not None. `rows` (int64 [S], default all of x in order) and `activation` (row-wise, default none)
+    are applied one group at a time and again in backward, so only `x` is kept.
 
     `weight` is [E, out, in], or [E, in, out] when `transposed` (gpt-oss); `bias` [E, out] or None. The base
     weight and bias must be frozen; factors come back with gradients in their own dtype.
     """
     if len(counts) != len(factors):
         raise ValueError(f"expert_linear: {len(counts)} blocks of counts but {len(factors)} factor entries")
-    if sum(map(sum, counts)) != x.shape[0]:
-        raise ValueError(f"expert_linear: counts cover {sum(map(sum, counts))} rows, x has {x.shape[0]}")
+    num_rows = x.shape[0] if rows is None else rows.shape[0]
+    if sum(map(sum, counts)) != num_rows:
+        raise ValueError(f"expert_linear: counts cover {sum(map(sum, counts))} rows, the input has {num_rows}")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("expert_linear: the experts' base weights must be frozen (LoRA trains only A and B)")
     if _grouped_mm_applies(x, weight, factors):
+        x = x if rows is None else x[rows]
+        x = x if activation is None else activation(x)
         return _grouped_expert_linear(x, weight, bias, counts, factors, transposed=transposed)
     lora = tuple(entry is not None for entry in factors)
     tensors = [t for entry in factors if entry is not None for t in entry[:2]]
     scales = tuple(float(entry[2]) for entry in factors if entry is not None)
     shape = tuple(tuple(block) for block in counts)
-    return _ExpertLinear.apply(x, weight, bias, shape, lora, scales, transposed, *tensors)
+    return _ExpertLinear.apply(x, rows, activation, weight, bias, shape, lora, scales, transposed, *tensors)
 
 
 def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor, factors: list[ExpertFactors | None]) -> bool:
@@ -84,7 +100,7 @@ def _grouped_expert_linear(x, weight, bias, counts, factors, *, transposed):
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _groups(counts, lora):
+def expert_groups(counts: list[list[int]], lora: list[bool]):
     """(rows slice, expert, adapter index or None, offset inside the adapter's block) of every non-empty group."""
     row = 0
     adapter = 0
@@ -98,49 +114,103 @@ def _groups(counts, lora):
         adapter += has_lora
 
 
+def _group_input(x, rows, activation, group):
+    """The input rows of one group: `x[group]`, or gathered through `rows`, then through `activation`."""
+    picked = x[group] if rows is None else x.index_select(0, rows[group])
+    return picked if activation is None else activation(picked)
+
+
 class _ExpertLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, counts, lora, scales, transposed, *factors):
-        ctx.counts, ctx.lora, ctx.scales, ctx.transposed = counts, lora, scales, transposed
+    def forward(ctx, x, rows, activation, weight, bias, counts, lora, scales, transposed, *factors):
+        ctx.activation, ctx.counts, ctx.lora, ctx.scales, ctx.transposed = activation, counts, lora, scales, transposed
         ctx.factor_dtypes = [f.dtype for f in factors]
         lora_as = [f.to(x.dtype) for f in factors[0::2]]
         lora_bs = [f.to(x.dtype) for f in factors[1::2]]
-        y = x.new_empty(x.shape[0], weight.shape[2] if transposed else weight.shape[1])
+        num_rows = x.shape[0] if rows is None else rows.shape[0]
+        y = x.new_empty(num_rows, weight.shape[2] if transposed else weight.shape[1])
         block_rows = [sum(block) for block, has in zip(counts, lora) if has]
         xas = [x.new_empty(n, a.shape[1]) for n, a in zip(block_rows, lora_as)]
-        for rows, expert, adapter, inside in _groups(counts, lora):
+        for group, expert, adapter, inside in expert_groups(counts, lora):
+            xg = _group_input(x, rows, activation, group)
             w = weight[expert] if transposed else weight[expert].T
-            torch.mm(x[rows], w, out=y[rows])
+            torch.mm(xg, w, out=y[group])
             if bias is not None:
-                y[rows] += bias[expert]
+                y[group] += bias[expert]
             if adapter is not None:
-                xa = torch.mm(x[rows], lora_as[adapter][expert].T, out=xas[adapter][inside])
-                y[rows].addmm_(xa, lora_bs[adapter][expert].T, alpha=scales[adapter])
-        ctx.save_for_backward(x, weight, *lora_as, *lora_bs, *xas)
+                xa = torch.mm(xg, lora_as[adapter][expert].T, out=xas[adapter][inside])
+                y[group].addmm_(xa, lora_bs[adapter][expert].T, alpha=scales[adapter])
+        ctx.save_for_backward(x, rows, weight, *lora_as, *lora_bs, *xas)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         n = len(ctx.scales)
-        x, weight, *rest = ctx.saved_tensors
+        x, rows, weight, *rest = ctx.saved_tensors
         lora_as, lora_bs, xas = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        activation = ctx.activation
         need_x = ctx.needs_input_grad[0]
-        grad_x = torch.empty_like(x) if need_x else None
+        grad_x = None
+        if need_x:  # every row of x is some group's unless `rows` picks them (and may pick one twice)
+            grad_x = torch.empty_like(x) if rows is None else torch.zeros_like(x)
         grad_as = [torch.zeros_like(a) for a in lora_as]
         grad_bs = [torch.zeros_like(b) for b in lora_bs]
-        for rows, expert, adapter, inside in _groups(ctx.counts, ctx.lora):
-            g = grad_y[rows]
+        for group, expert, adapter, inside in expert_groups(ctx.counts, ctx.lora):
+            g = grad_y[group]
+            if adapter is None and not need_x:
+                continue
+            with torch.enable_grad() if need_x and activation is not None else nullcontext():
+                x_in = _group_input(x, rows, None, group)
+                if activation is not None:
+                    x_in = x_in.detach().requires_grad_(need_x)
+                xg = x_in if activation is None else activation(x_in)
             if need_x:
                 w = weight[expert].T if ctx.transposed else weight[expert]
-                torch.mm(g, w, out=grad_x[rows])
-            if adapter is None:
-                continue
-            scale = ctx.scales[adapter]
-            g_b = g @ lora_bs[adapter][expert]
-            if need_x:
-                grad_x[rows].addmm_(g_b, lora_as[adapter][expert], alpha=scale)
-            grad_as[adapter][expert].addmm_(g_b.T, x[rows], alpha=scale)
-            grad_bs[adapter][expert].addmm_(g.T, xas[adapter][inside], alpha=scale)
+                direct = rows is None and activation is None
+                grad_xg = torch.mm(g, w, out=grad_x[group]) if direct else g @ w
+            if adapter is not None:
+                scale = ctx.scales[adapter]
+                g_b = g @ lora_bs[adapter][expert]
+                if need_x:
+                    grad_xg.addmm_(g_b, lora_as[adapter][expert], alpha=scale)
+                grad_as[adapter][expert].addmm_(g_b.T, xg.detach(), alpha=scale)
+                grad_bs[adapter][expert].addmm_(g.T, xas[adapter][inside], alpha=scale)
+            if need_x and activation is not None:
+                (grad_xg,) = torch.autograd.grad(xg, x_in, grad_xg)
+            if need_x and rows is not None:
+                grad_x.index_add_(0, rows[group], grad_xg)
+            elif need_x and activation is not None:
+                grad_x[group] = grad_xg
         grads = [g for pair in zip(grad_as, grad_bs) for g in pair]
         grads = [g.to(dtype) for g, dtype in zip(grads, ctx.factor_dtypes)]
-        return grad_x, None, None, None, None, None, None, *grads
+        return grad_x, None, None, None, None, None, None, None, None, *grads
+
+
+def combine_experts(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's routing-weighted sum of its expert outputs: sorted row i of `out` [S, hidden] is the
+    (token, expert) pair `order[i]` (token `order[i] // top_k`) with routing weight `weights[i]`; returns
+    [S // top_k, hidden], summed over each token's pairs in pair order as transformers does. Backward keeps
+    `out` and `weights` (autograd through the stock ops also keeps their product, for the unsort)."""
+    if not out.shape[0] == weights.shape[0] == order.shape[0] or out.shape[0] % top_k:
+        raise ValueError(
+            f"combine_experts: out {tuple(out.shape)}, weights {tuple(weights.shape)} and order "
+            f"{tuple(order.shape)} must have the same rows, a multiple of top_k={top_k}"
+        )
+    return _CombineExperts.apply(out, weights, order, top_k)
+
+
+class _CombineExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, weights, order, top_k):
+        ctx.top_k = top_k
+        ctx.save_for_backward(out, weights, order)
+        unsorted = torch.zeros_like(out).index_copy_(0, order, out * weights[:, None])
+        return unsorted.view(out.shape[0] // top_k, top_k, -1).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, weights, order = ctx.saved_tensors
+        grad_rows = grad.index_select(0, order // ctx.top_k)
+        grad_weights = (grad_rows * out).sum(dim=1) if ctx.needs_input_grad[1] else None
+        grad_out = grad_rows.mul_(weights[:, None]) if ctx.needs_input_grad[0] else None
+        return grad_out, grad_weights, None, None

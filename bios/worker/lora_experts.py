@@ -7,6 +7,11 @@ LoRA added by `bios.kernels.expert_lora.expert_linear`; with no adapter active t
 unchanged. Each adapted 3D parameter has an `ExpertSlot` holding its `lora_segments`, set by
 `active_adapters` like a `LoraLinear`'s.
 
+With kernels on (`BIOS_KERNELS`), the gate_up projection reads its rows straight from the layer's tokens, the
+down projection applies the gate to its input group by group (recomputed in backward), and
+`combine_experts` weights and sums: a layer keeps its tokens, the gate_up output and the experts' outputs
+for backward. With kernels off the same arithmetic runs as plain autograd ops, one expert at a time.
+
 Segments count rows of the decoder layer's input (dim 0, sequences), while experts see flattened tokens; a
 forward pre-hook on the enclosing decoder layer records how many tokens one row holds.
 """
@@ -20,7 +25,13 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from bios.kernels.expert_lora import ExpertFactors, expert_linear
+from bios.kernels.expert_lora import (
+    ExpertFactors,
+    combine_experts,
+    expert_groups,
+    expert_linear,
+)
+from bios.worker.compute_mode import kernels_enabled
 from bios.worker.targets import expert_parameters
 
 if TYPE_CHECKING:
@@ -108,23 +119,57 @@ def _forward_with_lora(module, hidden_states: Tensor, top_k_index: Tensor, top_k
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=(len(blocks) + 1) * num_experts).view(-1, num_experts).tolist()
     first, second = expert_parameters(module)
-    x = hidden_states[order // top_k]
-    projected = _project(module, first, x, counts, blocks)
-    gated = module._apply_gate(projected) if module.has_gate else module.act_fn(projected)
-    out = _project(module, second, gated, counts, blocks)
+    gate = module._apply_gate if module.has_gate else module.act_fn
+    weights = top_k_weights.reshape(-1)[order]
+    if kernels_enabled():
+        projected = _project(module, first, hidden_states, counts, blocks, rows=order // top_k)
+        out = _post_expert_norm(module, _project(module, second, projected, counts, blocks, activation=gate))
+        combined = combine_experts(out, weights.to(out.dtype), order, top_k)
+    else:
+        projected = _stock_project(module, first, hidden_states[order // top_k], counts, blocks)
+        out = _post_expert_norm(module, _stock_project(module, second, gate(projected), counts, blocks))
+        weighted = out * weights.to(out.dtype)[:, None]
+        combined = torch.zeros_like(weighted).index_copy(0, order, weighted).view(tokens, top_k, -1).sum(dim=1)
+    return combined.to(hidden_states.dtype)
+
+
+def _post_expert_norm(module, out: Tensor) -> Tensor:
     if getattr(module, "has_post_expert_norm", False):  # transformers >= 5.2x
-        out = module.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[order, None].to(out.dtype)
-    unsorted = torch.zeros_like(out).index_copy(0, order, out)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        return module.post_expert_norm(out)
+    return out
 
 
-def _project(module, name: str, x: Tensor, counts: list[list[int]], blocks) -> Tensor:
+def _factors(name: str, blocks) -> list[ExpertFactors | None]:
+    """Each block's LoRA factors of parameter `name` (None where its adapter leaves it), then None for the
+    rows no adapter holds."""
     factors: list[ExpertFactors | None] = []
     for _, _, segments in blocks:
         segment = segments.get(name)
         factors.append(None if segment is None else (segment.lora_a, segment.lora_b, segment.scale))
-    factors.append(None)  # rows no adapter holds
-    bias = getattr(module, f"{name}_bias") if module.has_bias else None
-    return expert_linear(x, getattr(module, name), bias, counts, factors, transposed=module.is_transposed)
+    return [*factors, None]
 
+
+def _project(module, name: str, x: Tensor, counts: list[list[int]], blocks, **inputs) -> Tensor:
+    bias = getattr(module, f"{name}_bias") if module.has_bias else None
+    return expert_linear(x, getattr(module, name), bias, counts, _factors(name, blocks),
+                         transposed=module.is_transposed, **inputs)
+
+
+def _stock_project(module, name: str, x: Tensor, counts: list[list[int]], blocks) -> Tensor:
+    """`_project` as plain autograd ops, one (block, expert) group at a time (`BIOS_KERNELS=0`)."""
+    weight = getattr(module, name)
+    bias = getattr(module, f"{name}_bias") if module.has_bias else None
+    factors = _factors(name, blocks)
+    pieces = []
+    for rows, expert, adapter, _ in expert_groups(counts, [entry is not None for entry in factors]):
+        xg = x[rows]
+        y = xg @ (weight[expert] if module.is_transposed else weight[expert].T)
+        if bias is not None:
+            y = y + bias[expert]
+        if adapter is not None:
+            lora_a, lora_b, scale = [entry for entry in factors if entry is not None][adapter]
+            y = y + scale * ((xg @ lora_a[expert].to(x.dtype).T) @ lora_b[expert].to(x.dtype).T)
+        pieces.append(y)
+    if not pieces:
+        return x.new_zeros(0, weight.shape[2] if module.is_transposed else weight.shape[1])
+    return torch.cat(pieces)
