@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bios import exceptions
+from bios.cpu_cores import threads_per_worker
 from bios.security.keys import KeyStore
 
 _PR_SET_PDEATHSIG = 1
@@ -153,8 +154,8 @@ class LocalCluster:
             self.env["BIOS_WORKER_TOKEN"] = str(keys.cluster.worker_token())
             keys.close()
         args = ["-m", "bios.worker.main", "--coordinator", self.address, "--log-level", self.log_level]
-        if self.worker_threads:
-            args += ["--threads", str(self.worker_threads)]
+        threads = self.worker_threads or threads_per_worker(self.num_workers)  # workers share this machine's cores
+        args += ["--threads", str(threads)]
         limit = memory_limit if memory_limit is not None else self.worker_memory_limit
         if limit is not None:
             args += ["--memory-limit", str(limit)]

@@ -24,7 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--gpus", default=None, metavar="all|N",
                    help="fork one worker process per GPU (all visible ones, or the first N)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores this process may use: its affinity mask capped by "
+                        "its cgroup CPU quota)")
     p.add_argument("--worker-id", default="", help="stable id for this worker (default: host-pid-random)")
     p.add_argument("--token", default=None,
                    help="the cluster's worker token, from `bios keys worker-token` (default: $BIOS_WORKER_TOKEN)")
@@ -87,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    from bios.cpu_cores import usable_cores
+
+    torch.set_num_threads(args.threads or usable_cores())
+    logging.getLogger(__name__).info("%d torch CPU threads", torch.get_num_threads())
     from bios.actors import loop as event_loop
     from bios.exceptions import AuthenticationError
 
