@@ -137,28 +137,15 @@ def service(cluster):
 
 @pytest.fixture(scope="session")
 def ticking_cluster():
-    """A cluster whose clock ticks once a second, as a daemon's would (every 10 s by default)."""
-    with bios.LocalCluster(cycle_s=1.0, worker_threads=1) as c:
+    """A cluster whose clock ticks twice a second, as a daemon's would (every 10 s by default), and whose worker
+    tests may hold (`held`) while they queue requests: its heartbeat timeout is a minute, so a held worker is
+    never declared dead."""
+    with bios.LocalCluster(cycle_s=0.5, worker_threads=1, heartbeat_timeout_s=60.0) as c:
         yield c
 
 
 @pytest.fixture(scope="session")
 def ticking_service(ticking_cluster):
     client = bios.ServiceClient(address=ticking_cluster.address)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="session")
-def held_cluster():
-    """A ticking cluster (1 s) whose worker tests may hold (`held`) while they queue requests: its heartbeat
-    timeout is a minute, so a held worker is never declared dead."""
-    with bios.LocalCluster(cycle_s=1.0, worker_threads=1, heartbeat_timeout_s=60.0) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def held_service(held_cluster):
-    client = bios.ServiceClient(address=held_cluster.address)
     yield client
     client.close()

@@ -9,9 +9,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_capabilities_and_status_report_the_cycle_length(ticking_cluster, ticking_service):
-    assert ticking_service.get_server_capabilities().cycle_s == 1.0
-    assert ticking_service.cluster_status().cycle_s == 1.0
-    assert "cycle length 1s (--cycle-s)" in ticking_cluster.log_path("coordinator").read_text()
+    assert ticking_service.get_server_capabilities().cycle_s == 0.5
+    assert ticking_service.cluster_status().cycle_s == 0.5
+    assert "cycle length 0.5s (--cycle-s)" in ticking_cluster.log_path("coordinator").read_text()
 
 
 def test_back_to_back_cycles_say_so(cluster, service):

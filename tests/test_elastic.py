@@ -51,13 +51,13 @@ def _frozen_until_declared_dead(service, worker):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Five steps on one worker, and its weights: what every elastic run below must reproduce."""
-    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
-        tc = svc.create_lora_training_client(BASE, rank=8, seed=51)
-        losses = [f.result(120).loss for f in _train(tc, 5)[0::2]]
-        ten = [f.result(120).loss for f in _train(tc, 5)[0::2]]
-        return losses, losses + ten, saved_adapter(svc, tc)
+def reference(service):
+    """Five steps on one worker (the session's one-worker cluster), and its weights: what every elastic run below
+    must reproduce."""
+    tc = service.create_lora_training_client(BASE, rank=8, seed=51)
+    losses = [f.result(120).loss for f in _train(tc, 5)[0::2]]
+    ten = [f.result(120).loss for f in _train(tc, 5)[0::2]]
+    return losses, losses + ten, saved_adapter(service, tc)
 
 
 @pytest.mark.e2e
@@ -231,14 +231,14 @@ def test_losing_every_worker_resumes_from_the_automatic_checkpoint():
         assert tc.forward_backward(BATCH).result(60).loss == pytest.approx(before, rel=1e-6)
 
 
-def test_four_runs_share_one_base_model_and_one_cycle(held_cluster, held_service):
+def test_four_runs_share_one_base_model_and_one_cycle(ticking_cluster, ticking_service):
     """Requests of four runs accepted while a cycle runs are all taken into the next cycle, on one worker that
     loaded the base model once (its log says so once per copy it holds)."""
-    service = held_service
+    service = ticking_service
     clients = [service.create_lora_training_client(BASE, rank=8, seed=60 + i) for i in range(4)]
     blocker = service.create_lora_training_client(BASE, rank=8, seed=59)
     before = service.cluster_status().cycles_run
-    with held(held_cluster.workers[0]):  # the blocker's cycle cannot end: the four wait for the next one
+    with held(ticking_cluster.workers[0]):  # the blocker's cycle cannot end: the four wait for the next one
         blocking = accepted(blocker.forward(BATCH[:1]))
         wait_until_taken(service)
         together = [accepted(tc.forward_backward(BATCH[i:i + 3])) for i, tc in enumerate(clients)]
@@ -257,7 +257,7 @@ def test_four_runs_share_one_base_model_and_one_cycle(held_cluster, held_service
         alone = service.create_lora_training_client(BASE, rank=8, seed=60 + i)
         assert alone.forward_backward(BATCH[i:i + 3]).result(60).loss == pytest.approx(results[i].loss, rel=1e-6)
     assert [w.state for w in service.cluster_status().workers] == ["active"]
-    assert base_loads(held_cluster, BASE) == 1  # every run on this worker so far, one copy of the base weights
+    assert base_loads(ticking_cluster, BASE) == 1  # every run on this worker so far, one copy of the base weights
 
 
 def test_adapters_on_one_worker_share_one_copy_of_the_base_weights():

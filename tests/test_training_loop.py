@@ -124,9 +124,9 @@ def test_two_halves_accumulate_to_the_whole_batch(service):
         torch.testing.assert_close(ra["logprobs"].to_torch(), rb["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
 
 
-async def test_double_await_accepts_before_the_result_exists(held_cluster, held_service):
-    tc = await held_service.create_lora_training_client_async(BASE, rank=8, seed=3)
-    with held(held_cluster.workers[0]):  # no cycle can end, so no result can exist before the worker resumes
+async def test_double_await_accepts_before_the_result_exists(ticking_cluster, ticking_service):
+    tc = await ticking_service.create_lora_training_client_async(BASE, rank=8, seed=3)
+    with held(ticking_cluster.workers[0]):  # no cycle can end, so no result can exist before the worker resumes
         future = await asyncio.wait_for(tc.forward_backward_async(BATCH, "cross_entropy"), 60)  # accepted
         assert not future.done()
     out = await future
@@ -167,14 +167,14 @@ async def _until_taken(service) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_pipelined_requests_share_a_cycle_and_awaited_ones_do_not(held_cluster, held_service):
+async def test_pipelined_requests_share_a_cycle_and_awaited_ones_do_not(ticking_cluster, ticking_service):
     """Requests accepted while a cycle runs wait for the next one and run in it together; a request sent only
     after the previous result came back gets a cycle of its own. Cycles are ordered by holding the worker."""
-    service = held_service
+    service = ticking_service
     tc = await service.create_lora_training_client_async(BASE, rank=8, seed=6)
     blocker = await service.create_lora_training_client_async(BASE, rank=8, seed=7)
     before = (await service.cluster_status_async()).cycles_run
-    with held(held_cluster.workers[0]):
+    with held(ticking_cluster.workers[0]):
         blocking = await blocker.forward_async(BATCH, "cross_entropy")
         await asyncio.wait_for(_until_taken(service), 60)  # its cycle has started, and cannot end
         fwd = await tc.forward_backward_async(BATCH, "cross_entropy")
