@@ -117,29 +117,25 @@ def test_a_failed_creation_leaves_no_run_plan_or_count(service):
     assert "bios/no-such-model" not in status.plans
 
 
-def test_an_unseeded_run_on_two_workers_equals_a_seeded_run_on_one(tmp_path):
+def test_an_unseeded_run_on_two_workers_equals_a_seeded_run_on_one(tmp_path, service):
     batch = [text_datum("replicas agree from the first step"), text_datum("a second row for the other worker")]
     params = t.AdamParams(learning_rate=1e-3)
-    with bios.LocalCluster(workers=2, cycle_s=0.0, worker_threads=1, state_dir=tmp_path / "two") as cluster:
-        service = bios.ServiceClient(address=cluster.address)
-        wait_for_workers(service, 2)
-        tc = service.create_lora_training_client(BASE, rank=4)
+    with bios.LocalCluster(workers=2, cycle_s=0.0, worker_threads=1, state_dir=tmp_path) as cluster, \
+            bios.ServiceClient(address=cluster.address) as pair:
+        wait_for_workers(pair, 2)
+        tc = pair.create_lora_training_client(BASE, rank=4)
         seed = tc.get_info().lora_seed
         assert isinstance(seed, int)
         for future in train_steps(tc, batch, params, 3):
             future.result(120)
-        two = saved_adapter(service, tc)
-        service.close()
+        two = saved_adapter(pair, tc)
         log = cluster.log_path("coordinator").read_text()
     assert "diverged" not in log
-    with bios.LocalCluster(workers=1, cycle_s=0.0, worker_threads=1, state_dir=tmp_path / "one") as cluster:
-        service = bios.ServiceClient(address=cluster.address)
-        tc = service.create_lora_training_client(BASE, rank=4, seed=seed)
-        assert tc.get_info().lora_seed == seed
-        for future in train_steps(tc, batch, params, 3):
-            future.result(120)
-        one = saved_adapter(service, tc)
-        service.close()
+    tc = service.create_lora_training_client(BASE, rank=4, seed=seed)  # the session's one-worker cluster
+    assert tc.get_info().lora_seed == seed
+    for future in train_steps(tc, batch, params, 3):
+        future.result(120)
+    one = saved_adapter(service, tc)
     assert_same_weights(two, one, tol=1e-5)
 
 
