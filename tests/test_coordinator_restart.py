@@ -155,10 +155,9 @@ def test_the_tinker_sdk_trains_through_a_restart_over_the_gateway(tmp_path):
                 opt.result(timeout=300)
             return tc.forward([datum], "cross_entropy").result(timeout=300).loss_fn_outputs[0]["logprobs"].data
 
-    with bios.LocalCluster(workers=1, cycle_s=0.0, worker_threads=1, state_dir=tmp_path / "a", http="127.0.0.1:0",
+    # One cluster: the run trained without a restart, then the same run (its own session) through two.
+    with bios.LocalCluster(workers=1, cycle_s=0.0, worker_threads=1, state_dir=tmp_path, http="127.0.0.1:0",
                            checkpoint_every=1) as cluster:
         expected = train(cluster)
-    with bios.LocalCluster(workers=1, cycle_s=0.0, worker_threads=1, state_dir=tmp_path / "b", http="127.0.0.1:0",
-                           checkpoint_every=1) as cluster:
         got = train(cluster, restart_at=(1, 2))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
