@@ -12,7 +12,9 @@ tokens:
   (the experts' 3D weights), `torch.optim.AdamW(foreach=True)`. PEFT folds each adapted expert weight into a
   `W + scale * B A` copy on every forward (`ParamWrapper`);
 - `bios`: Bios's engine (`forward_backward`, `commit_gradients`, `optim_step`), fp32 base, kernels on: tokens
-  grouped by expert, each expert's LoRA applied as two rank-sized matmuls (`bios.kernels.expert_lora`).
+  grouped by expert, each expert's LoRA applied as two rank-sized matmuls (`bios.kernels.expert_lora`); a MoE
+  layer keeps its tokens, the gate_up output and the experts' outputs for backward (not the sorted copy of
+  the tokens, the gate's output or the routing-weighted outputs).
 
 Peak memory: three steps in a fresh subprocess per configuration, `--memory-runs` times (median), RSS (CPU)
 or allocator (CUDA) high-water mark above the level once the model and batch exist. Time: one subprocess

@@ -17,7 +17,6 @@ is applied per group and recomputed in backward (neither its output nor autograd
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
@@ -114,10 +113,17 @@ def expert_groups(counts: list[list[int]], lora: list[bool]):
         adapter += has_lora
 
 
-def _group_input(x, rows, activation, group):
-    """The input rows of one group: `x[group]`, or gathered through `rows`, then through `activation`."""
+def _group_input(x, rows, activation, group, *, need_grad=False):
+    """(the picked rows, the input) of one group: `x[group]` or gathered through `rows`, then through
+    `activation`; with `need_grad`, the activation runs on picked rows requiring grad (for its VJP)."""
     picked = x[group] if rows is None else x.index_select(0, rows[group])
-    return picked if activation is None else activation(picked)
+    if activation is None:
+        return picked, picked
+    if not need_grad:
+        return picked, activation(picked)
+    with torch.enable_grad():
+        picked = picked.detach().requires_grad_()
+        return picked, activation(picked)
 
 
 class _ExpertLinear(torch.autograd.Function):
@@ -132,7 +138,7 @@ class _ExpertLinear(torch.autograd.Function):
         block_rows = [sum(block) for block, has in zip(counts, lora) if has]
         xas = [x.new_empty(n, a.shape[1]) for n, a in zip(block_rows, lora_as)]
         for group, expert, adapter, inside in expert_groups(counts, lora):
-            xg = _group_input(x, rows, activation, group)
+            _, xg = _group_input(x, rows, activation, group)
             w = weight[expert] if transposed else weight[expert].T
             torch.mm(xg, w, out=y[group])
             if bias is not None:
@@ -155,32 +161,29 @@ class _ExpertLinear(torch.autograd.Function):
             grad_x = torch.empty_like(x) if rows is None else torch.zeros_like(x)
         grad_as = [torch.zeros_like(a) for a in lora_as]
         grad_bs = [torch.zeros_like(b) for b in lora_bs]
+        direct = rows is None and activation is None  # each group's input gradient is a slice of grad_x
         for group, expert, adapter, inside in expert_groups(ctx.counts, ctx.lora):
-            g = grad_y[group]
             if adapter is None and not need_x:
                 continue
-            with torch.enable_grad() if need_x and activation is not None else nullcontext():
-                x_in = _group_input(x, rows, None, group)
-                if activation is not None:
-                    x_in = x_in.detach().requires_grad_(need_x)
-                xg = x_in if activation is None else activation(x_in)
+            g = grad_y[group]
+            picked, xg = _group_input(x, rows, activation, group, need_grad=need_x)
             if need_x:
                 w = weight[expert].T if ctx.transposed else weight[expert]
-                direct = rows is None and activation is None
                 grad_xg = torch.mm(g, w, out=grad_x[group]) if direct else g @ w
             if adapter is not None:
                 scale = ctx.scales[adapter]
                 g_b = g @ lora_bs[adapter][expert]
                 if need_x:
                     grad_xg.addmm_(g_b, lora_as[adapter][expert], alpha=scale)
-                grad_as[adapter][expert].addmm_(g_b.T, xg.detach(), alpha=scale)
+                grad_as[adapter][expert].addmm_(g_b.T, xg, alpha=scale)
                 grad_bs[adapter][expert].addmm_(g.T, xas[adapter][inside], alpha=scale)
-            if need_x and activation is not None:
-                (grad_xg,) = torch.autograd.grad(xg, x_in, grad_xg)
-            if need_x and rows is not None:
-                grad_x.index_add_(0, rows[group], grad_xg)
-            elif need_x and activation is not None:
-                grad_x[group] = grad_xg
+            if need_x and not direct:
+                if activation is not None:
+                    (grad_xg,) = torch.autograd.grad(xg, picked, grad_xg)
+                if rows is None:
+                    grad_x[group] = grad_xg
+                else:
+                    grad_x.index_add_(0, rows[group], grad_xg)
         grads = [g for pair in zip(grad_as, grad_bs) for g in pair]
         grads = [g.to(dtype) for g, dtype in zip(grads, ctx.factor_dtypes)]
         return grad_x, None, None, None, None, None, None, None, None, *grads

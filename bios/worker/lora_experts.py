@@ -160,6 +160,7 @@ def _stock_project(module, name: str, x: Tensor, counts: list[list[int]], blocks
     weight = getattr(module, name)
     bias = getattr(module, f"{name}_bias") if module.has_bias else None
     factors = _factors(name, blocks)
+    adapted = [entry for entry in factors if entry is not None]
     pieces = []
     for rows, expert, adapter, _ in expert_groups(counts, [entry is not None for entry in factors]):
         xg = x[rows]
@@ -167,7 +168,7 @@ def _stock_project(module, name: str, x: Tensor, counts: list[list[int]], blocks
         if bias is not None:
             y = y + bias[expert]
         if adapter is not None:
-            lora_a, lora_b, scale = [entry for entry in factors if entry is not None][adapter]
+            lora_a, lora_b, scale = adapted[adapter]
             y = y + scale * ((xg @ lora_a[expert].to(x.dtype).T) @ lora_b[expert].to(x.dtype).T)
         pieces.append(y)
     if not pieces:
