@@ -124,7 +124,8 @@ def base_loads(cluster, base_model, worker=0):
 
 @pytest.fixture(scope="session")
 def cluster():
-    with bios.LocalCluster(cycle_s=0.0, worker_threads=1) as c:
+    """One worker, back-to-back cycles, and the HTTP gateway (for the tinker and openai SDKs)."""
+    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, http="127.0.0.1:0") as c:
         yield c
 
 

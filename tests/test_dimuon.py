@@ -136,10 +136,9 @@ def _batch_tinker() -> list[tt.Datum]:
 
 
 @pytest.mark.e2e
-def test_two_workers_equal_one_and_the_tinker_sdk_equals_the_native_sdk(tmp_path):
+def test_two_workers_equal_one_and_the_tinker_sdk_equals_the_native_sdk(cluster):
     steps = 4
-    with bios.LocalCluster(workers=1, worker_threads=1, http="127.0.0.1:0") as cluster, \
-            tinker.ServiceClient(base_url=cluster.http_url, api_key="tml-test") as service:
+    with tinker.ServiceClient(base_url=cluster.http_url, api_key="tml-test") as service:  # the session's one worker
         tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=21,
                                                  optimizer=tt.DimuonOptimizerConfig()).result()
         assert tc.get_info().optimizer_config.type == "dimuon"
@@ -150,8 +149,7 @@ def test_two_workers_equal_one_and_the_tinker_sdk_equals_the_native_sdk(tmp_path
             reference.append(tc.forward_backward(_batch_tinker(), "cross_entropy").result(120).metrics["loss:sum"])
             tc.optim_step(tt.DimuonParams(learning_rate=2e-3)).result(120)
         assert reference[-1] < reference[0]
-    with bios.LocalCluster(workers=2, worker_threads=1) as cluster, \
-            bios.ServiceClient(address=cluster.address) as service:
+    with bios.LocalCluster(workers=2, worker_threads=1) as pair, bios.ServiceClient(address=pair.address) as service:
         wait_for_workers(service, 2)
         tc = service.create_lora_training_client(BASE, rank=8, seed=21, optimizer=types.DimuonOptimizerConfig())
         batch = [text_datum(text) for text in TEXTS * 3]

@@ -20,12 +20,6 @@ KEY = "tml-test"
 PROMPT = list(b"The quick brown fox")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with bios.LocalCluster(http="127.0.0.1:0") as c:
-        yield c
-
-
 def test_topk_prompt_logprobs_and_alt_tokens_through_the_tinker_sdk_equal_the_native_sdk(cluster):
     params = dict(max_tokens=4, temperature=0.7, seed=3)
     with tinker.ServiceClient(base_url=cluster.http_url, api_key=KEY) as service:

@@ -18,12 +18,6 @@ GREEDY = t.SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with bios.LocalCluster(http="127.0.0.1:0", cycle_s=0.0, worker_threads=1) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def trained(cluster):
     """A sampler checkpoint of a run trained a few steps, and a native SamplingClient on it."""
     service = bios.ServiceClient(address=cluster.address)

@@ -200,14 +200,8 @@ def _sized_png(width: int, height: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def gateway_cluster():
-    with bios.LocalCluster(http="127.0.0.1:0", cycle_s=0.0, worker_threads=1) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def tinker_service(gateway_cluster):
-    with tinker.ServiceClient(base_url=gateway_cluster.http_url, api_key="tml-test") as client:
+def tinker_service(cluster):
+    with tinker.ServiceClient(base_url=cluster.http_url, api_key="tml-test") as client:
         yield client
 
 
