@@ -72,13 +72,13 @@ def _finish_like_one_worker(svc, tc, first_losses, reference):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
-    """One unconstrained worker: losses, weights and samples every tensor-parallel run must reproduce."""
-    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
-        tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
-        assert tc.get_info().memory_plan.startswith("replicate:")
-        losses = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
-        return losses, saved_adapter(svc, tc), _samples(tc)
+def reference(model_dir, service):
+    """One unconstrained worker (the session's): losses, weights and samples every tensor-parallel run must
+    reproduce."""
+    tc = service.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+    assert tc.get_info().memory_plan.startswith("replicate:")
+    losses = [f.result(180).loss for f in _train(tc, STEPS)[0::2]]
+    return losses, saved_adapter(service, tc), _samples(tc)
 
 
 def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_dir, memory_limit, reference):
