@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -123,9 +124,20 @@ def base_loads(cluster, base_model, worker=0):
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """One worker, back-to-back cycles, and the HTTP gateway (for the tinker and openai SDKs)."""
-    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, http="127.0.0.1:0") as c:
+def mapped(tmp_path_factory) -> dict[str, str]:
+    """Names of tiny MoE and GPT-2 models the session cluster maps to their directories (`BIOS_MODEL_MAP`)."""
+    from arch_models import write_model
+
+    root = tmp_path_factory.mktemp("archs")
+    return {f"test/{arch}": str(write_model(arch, root / arch)) for arch in ("qwen3_moe", "gpt2")}
+
+
+@pytest.fixture(scope="session")
+def cluster(mapped):
+    """One worker, back-to-back cycles, the HTTP gateway (for the tinker and openai SDKs) and the `mapped`
+    models."""
+    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, http="127.0.0.1:0",
+                           env={"BIOS_MODEL_MAP": json.dumps(mapped)}) as c:
         yield c
 
 

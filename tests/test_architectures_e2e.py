@@ -1,5 +1,6 @@
-"""A MoE model and a GPT-2 through the whole service: a local cluster maps a name to a tiny model directory
-(`BIOS_MODEL_MAP`), the SDK trains, checkpoints, samples and exports, as a user of such a model would."""
+"""A MoE model and a GPT-2 through the whole service: the session's cluster maps a name to a tiny model directory
+(`BIOS_MODEL_MAP`, conftest's `mapped`), the SDK trains, checkpoints, samples and exports, as a user of such a
+model would."""
 
 from __future__ import annotations
 
@@ -7,25 +8,9 @@ import json
 
 import pytest
 import torch
-from arch_models import write_model
 from transformers import AutoModelForCausalLM
 
-import bios
 from bios import types
-
-
-@pytest.fixture(scope="module")
-def mapped(tmp_path_factory):
-    root = tmp_path_factory.mktemp("archs")
-    return {f"test/{arch}": str(write_model(arch, root / arch)) for arch in ("qwen3_moe", "gpt2")}
-
-
-@pytest.fixture(scope="module")
-def service(mapped):
-    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, env={"BIOS_MODEL_MAP": json.dumps(mapped)}) as cluster:
-        client = bios.ServiceClient(address=cluster.address)
-        yield client
-        client.close()
 
 
 @pytest.mark.parametrize("base_model", ["test/qwen3_moe", "test/gpt2"])

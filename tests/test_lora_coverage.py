@@ -6,12 +6,10 @@ cluster, from the native SDK and as JSON from the Tinker gateway (which the offi
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import tinker
-from arch_models import build_model, write_model
+from arch_models import build_model
 
 import bios
 from bios.models import load_base_model
@@ -50,14 +48,6 @@ def test_moe_models_count_their_routed_experts():
     assert deepseek["model.layers.*.mlp.shared_experts.gate_proj"] == ("mlp", "linear", 1, 0)
     assert deepseek["model.layers.*.mlp.experts.gate_up_proj"] == ("mlp", "experts", 1, 4)
     assert deepseek["model.layers.*.self_attn.kv_a_proj_with_mqa"] == ("attn", "linear", 2, 0)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    mapped = {"test/qwen3_moe": str(write_model("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3_moe"))}
-    env = {"BIOS_MODEL_MAP": json.dumps(mapped)}
-    with bios.LocalCluster(cycle_s=0.0, worker_threads=1, http="127.0.0.1:0", env=env) as c:
-        yield c
 
 
 @pytest.mark.parametrize("base_model", ["bios/tiny-llama", "test/qwen3_moe"])
