@@ -32,6 +32,7 @@ from bios import types  # noqa: E402
 torch.set_num_threads(1)
 
 BASE = "bios/tiny-llama"
+COOKBOOK_MODEL = "Qwen/Qwen3-8B-Base"  # a name tinker-cookbook knows (role_colon renderer); mapped to BASE
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -125,11 +126,15 @@ def base_loads(cluster, base_model, worker=0):
 
 @pytest.fixture(scope="session")
 def mapped(tmp_path_factory) -> dict[str, str]:
-    """Names of tiny MoE and GPT-2 models the session cluster maps to their directories (`BIOS_MODEL_MAP`)."""
+    """Names the session cluster maps to model directories (`BIOS_MODEL_MAP`): tiny MoE and GPT-2 models, and
+    COOKBOOK_MODEL to the built-in tiny model."""
     from arch_models import write_model
 
+    from bios.models.registry import resolve_model_dir
+
     root = tmp_path_factory.mktemp("archs")
-    return {f"test/{arch}": str(write_model(arch, root / arch)) for arch in ("qwen3_moe", "gpt2")}
+    archs = {f"test/{arch}": str(write_model(arch, root / arch)) for arch in ("qwen3_moe", "gpt2")}
+    return {**archs, COOKBOOK_MODEL: str(resolve_model_dir(BASE))}
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 Needs the `cookbook` extra plus the cookbook itself, which pip cannot resolve with its dependencies (it
 requires an unpublished `tml-renderers`): `pip install -e '.[cookbook]' && pip install --no-deps
 tinker-cookbook==0.6.1`. No Hugging Face access: the recipes' Hub datasets are replaced by local rows, their
-model name `Qwen/Qwen3-8B-Base` is mapped to the built-in tiny model on the cluster (`BIOS_MODEL_MAP`) and to
-its tokenizer on the client (`register_tokenizer`).
+model name `Qwen/Qwen3-8B-Base` is mapped to the built-in tiny model on the session's cluster (`BIOS_MODEL_MAP`,
+conftest's `mapped`) and to its tokenizer on the client (`register_tokenizer`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,19 @@ import sys
 import datasets
 import pytest
 import tinker
+from conftest import COOKBOOK_MODEL as MODEL_NAME
 from tinker_cookbook import tokenizer_utils
 from tinker_cookbook.recipes import rl_loop, sl_loop
 from transformers import AutoTokenizer
 
-import bios
-from bios.models.registry import resolve_model_dir
-
 pytestmark = pytest.mark.e2e
 
-MODEL_NAME = "Qwen/Qwen3-8B-Base"  # a name the cookbook knows (role_colon renderer); mapped to the tiny model
 KEY = "tml-cookbook"
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model_dir("bios/tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir):
-    with bios.LocalCluster(http="127.0.0.1:0", env={"BIOS_MODEL_MAP": json.dumps({MODEL_NAME: model_dir})}) as c:
-        yield c
+def model_dir(mapped) -> str:
+    return mapped[MODEL_NAME]
 
 
 @pytest.fixture
