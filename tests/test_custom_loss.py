@@ -62,7 +62,9 @@ def test_a_graph_equal_to_cross_entropy_gives_cross_entropys_gradients(model):
     weights = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in data)
     assert custom_out.metrics["custom/weight:sum"] == pytest.approx(weights)
     assert float(grad.abs().max()) > 0
-    torch.testing.assert_close(custom_grad, grad, rtol=0, atol=1e-6)
+    # fp32 rounding only: cross_entropy's head computes its gradients in forward (linear_weighted_loss), a custom
+    # loss's head in backward from the log-probs' gradient
+    torch.testing.assert_close(custom_grad, grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()))
 
 
 def test_a_ppo_like_graph_runs_with_its_inputs_and_metrics(model):
