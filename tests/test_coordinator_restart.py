@@ -14,6 +14,7 @@ from conftest import BASE, assert_same_weights, saved_adapter, text_datum, wait_
 
 import bios
 from bios import types as t
+from bios.sdk import connection
 
 BATCH = [text_datum("the coordinator may die at any moment"), text_datum("and the run goes on as if it had not")]
 PARAMS = t.AdamParams(learning_rate=1e-3)
@@ -44,6 +45,13 @@ def _cluster(state_dir, heartbeat_timeout_s: float = 2.0) -> bios.LocalCluster:
                              heartbeat_timeout_s=heartbeat_timeout_s)
 
 
+@pytest.fixture
+def quick_reconnect(monkeypatch):
+    """The SDK's session heartbeat every 0.5 s (2 s by default): a restarted coordinator is noticed, and requests
+    sent while it was down are resent, within a second or two."""
+    monkeypatch.setattr(connection, "HEARTBEAT_S", 0.5)
+
+
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     with _cluster(tmp_path_factory.mktemp("fault-free")) as cluster:
@@ -72,7 +80,7 @@ def test_sigkilled_coordinator_resumes_every_run_exactly(tmp_path, fault_free):
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-def test_requests_sent_while_the_coordinator_is_down_are_run_once(tmp_path, fault_free):
+def test_requests_sent_while_the_coordinator_is_down_are_run_once(tmp_path, fault_free, quick_reconnect):
     with _cluster(tmp_path) as cluster:
         def down_while_sending(step: int, futures: list) -> None:
             if step % 3 == 0 and step + 1 < STEPS:  # killed after sending step 3k; 3k+1 is sent while it is down
