@@ -249,11 +249,9 @@ def test_bf16_base_weights_train_like_fp32_and_export_the_same_fp32_adapter(monk
     BIOS_BASE_DTYPE so that every CPU really compares bf16 with fp32 (emulated bf16 on AVX2-only CPUs, where the
     default is fp32); the default itself must resolve to bf16 exactly where `native_bf16` finds the hardware.
 
-    Tolerance: bf16 activations carry ~3 significant digits, so losses agree to 2e-2 relative over ten steps
-    at a learning rate where the loss falls steadily. Rounding differences compound chaotically from step to
-    step: measured 1.1e-3 (avx512_bf16) and 1.9e-3 (AVX2) with one GEMM per projection, 9.3e-3 with q/k/v and
-    gate/up grouped into one GEMM each, although one pass's LoRA gradient is as close to fp32 either way
-    (1.15% vs 1.10% relative).
+    Tolerance: bf16 activations carry ~3 significant digits, so losses agree to 5e-3 relative over ten steps
+    at a learning rate where the loss falls steadily (measured: 1.1e-3 on tiny-llama with avx512_bf16, 1.9e-3
+    on the AVX2 path).
     """
     runs = {}
     for setting in ("bfloat16", "float32"):
@@ -272,7 +270,7 @@ def test_bf16_base_weights_train_like_fp32_and_export_the_same_fp32_adapter(monk
     (bf16_losses, bf16_state), (fp32_losses, fp32_state) = runs["bfloat16"], runs["float32"]
     assert bf16_losses[-1] < 0.6 * bf16_losses[0]
     assert bf16_losses != fp32_losses  # the bf16 run rounded its activations: not fp32 under another name
-    assert bf16_losses == pytest.approx(fp32_losses, rel=2e-2)
+    assert bf16_losses == pytest.approx(fp32_losses, rel=5e-3)
     for bf16_arrays, fp32_arrays in ((bf16_state.adapter, fp32_state.adapter),
                                      (bf16_state.optimizer, fp32_state.optimizer)):
         assert {k: (v.dtype, v.shape) for k, v in bf16_arrays.items()} == {

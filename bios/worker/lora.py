@@ -25,7 +25,6 @@ from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
-from bios.worker.projection_groups import group_projections
 from bios.worker.lora_experts import ExpertSlot, attach_experts, record_rows_per_item
 from bios.worker.targets import all_targets
 
@@ -149,9 +148,6 @@ class LoraLinear(nn.Linear):
             return lora_target_loss(x, self.weight, self.bias, self.lora_segments, target_ids, token_weights)
         if target_ids is not None:
             return lora_target_logprobs(x, self.weight, self.bias, self.lora_segments, target_ids)
-        group = self.__dict__.get("projection_group")
-        if group is not None and kernels_enabled():
-            return group.output(self, x)
         return lora_forward(x, self.weight, self.bias, self.lora_segments)
 
 
@@ -191,8 +187,7 @@ def attach_lora(model: nn.Module) -> None:
     The layer's class is switched in place rather than the layer being wrapped, so parameter names (and
     therefore the base state dict and PEFT key names), tied weights and hooks are all unchanged. The model is
     put in eval mode: a frozen shared base has no use for dropout, and eval keeps forward passes deterministic.
-    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`), and
-    their q/k/v and gate/up projections one GEMM per group (`group_projections`). The
+    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`). The
     frozen floating-point parameters are stored in the dtype `base_dtype` picks for the model's device (bf16
     where the hardware multiplies it natively, unless `BIOS_BASE_DTYPE` says otherwise) and logged; buffers
     such as RoPE frequencies keep theirs and tied weights stay tied (being one parameter).
@@ -219,7 +214,6 @@ def attach_lora(model: nn.Module) -> None:
                 param.data = param.data.to(choice.dtype)
     log.info("%s: frozen base weights in %s (%s)", model.config.name_or_path or type(model).__name__,
              str(weights.dtype).removeprefix("torch."), choice.reason)
-    group_projections(model, lambda module: isinstance(module, LoraLinear))
     model.requires_grad_(False)
     model.eval()
     setattr(model, _ATTACHED_FLAG, wrapped)
