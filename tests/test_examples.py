@@ -1,10 +1,12 @@
-"""The examples run as written (a few steps each, on their own embedded cluster) and do what they claim: the
-training examples' losses are finite and fall at every step, parallel_eval's adapter learns its answer, and
-rl.py reports well-formed rewards."""
+"""The examples run as written (a few steps each, pointed at the session's cluster by BIOS_ADDRESS, as a script
+run against a cluster is; tests/test_processes.py starts the embedded cluster of `ServiceClient()`) and do what
+they claim: the training examples' losses are finite and fall at every step, parallel_eval's adapter learns its
+answer, and rl.py reports well-formed rewards."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -25,8 +27,9 @@ LOSS_LINES = {
 OTHERS = {"parallel_eval.py", "rl.py"}
 
 
-def _run(path: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=240)
+def _run(cluster, path: Path, *args: str) -> str:
+    env = {**os.environ, "BIOS_ADDRESS": cluster.address}
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -41,8 +44,8 @@ def test_every_example_is_checked():
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(LOSS_LINES))
-def test_training_example_losses_are_finite_and_fall_every_step(name):
-    stdout = _run(Path(__file__).parent.parent / "examples" / name, str(STEPS))
+def test_training_example_losses_are_finite_and_fall_every_step(cluster, name):
+    stdout = _run(cluster, Path(__file__).parent.parent / "examples" / name, str(STEPS))
     lines = _matches(LOSS_LINES[name], stdout)
     assert [int(m.group(1)) for m in lines] == list(range(STEPS)), stdout
     losses = [float(m.group(2)) for m in lines]
@@ -53,9 +56,9 @@ def test_training_example_losses_are_finite_and_fall_every_step(name):
 
 
 @pytest.mark.e2e
-def test_parallel_eval_learns_its_answer():
+def test_parallel_eval_learns_its_answer(cluster):
     """One round: greedy answers of the untrained adapter, then after four steps (0% -> 100% when written)."""
-    stdout = _run(Path(__file__).parent.parent / "examples" / "parallel_eval.py", "1")
+    stdout = _run(cluster, Path(__file__).parent.parent / "examples" / "parallel_eval.py", "1")
     lines = _matches(r"step +(\d+) +32 prompts in \S+s +exact answers (\d+)%", stdout)
     assert [int(m.group(1)) for m in lines] == [0, 4], stdout
     before, after = (int(m.group(2)) for m in lines)
@@ -63,10 +66,10 @@ def test_parallel_eval_learns_its_answer():
 
 
 @pytest.mark.e2e
-def test_rl_example_reports_well_formed_rewards():
+def test_rl_example_reports_well_formed_rewards(cluster):
     """Two steps cannot show the reward climbing (the example samples unseeded): every step reports a mean
     reward and a best one that are shares of lowercase letters, the best at least the mean."""
-    stdout = _run(Path(__file__).parent.parent / "examples" / "rl.py", "2")
+    stdout = _run(cluster, Path(__file__).parent.parent / "examples" / "rl.py", "2")
     lines = _matches(r"step +(\d+) +mean reward (\S+) +best (\S+)", stdout)
     assert [int(m.group(1)) for m in lines] == [0, 1], stdout
     for m in lines:
