@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -79,6 +80,21 @@ def fork_per_gpu(argv: list[str], gpus: str) -> int:
     return max(child.wait() for child in children)
 
 
+def _import_the_worker() -> None:
+    """Import torch, Transformers and the daemon with the garbage collector off, then freeze what they made.
+
+    Imports create hundreds of thousands of long-lived objects; collecting while they are made, and walking
+    them all again when the process exits, took ~0.7 s of a worker's start and ~1 s of its exit (py-spy), time
+    every elastic replacement and every cluster stop waits for.
+    """
+    gc.disable()
+    try:
+        from bios.worker import daemon  # noqa: F401  (torch, Transformers and the engine)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -89,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    _import_the_worker()
     import torch
 
     from bios.cpu_cores import usable_cores
