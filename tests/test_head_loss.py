@@ -25,7 +25,8 @@ def _naive_loss(hidden, weight, targets, token_weights, lora_a=None, lora_b=None
 @pytest.mark.parametrize("train_weight", [False, True])
 def test_weighted_loss_matches_naive_in_value_and_every_gradient(dtype, chunk_size, train_weight):
     hidden, weight, targets, token_weights, lora_a, lora_b = _ce_inputs(37, 16, 101, dtype, rank=4)
-    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)] + ([weight.requires_grad_()] if train_weight else [])
+    inputs = [t.requires_grad_() for t in (hidden, lora_a, lora_b)]
+    inputs += [weight.requires_grad_()] if train_weight else []
     logprobs, loss = linear_weighted_loss(hidden, weight, targets, token_weights, lora_a=lora_a, lora_b=lora_b,
                                           lora_scale=0.5, chunk_size=chunk_size)
     expected_logprobs, expected_loss = _naive_loss(hidden, weight, targets, token_weights, lora_a, lora_b, 0.5)
@@ -126,8 +127,8 @@ def test_the_engine_gives_the_same_losses_and_gradients_with_and_without_the_fus
             for i, (ids, w) in enumerate(zip(tokens, weights))]
 
     ce = forward_backward(model, [ForwardItem(fused, data(), "cross_entropy")])[0]
-    sampler = [out["logprobs"] for out in
-               forward_backward(model, [ForwardItem(plain, data(), "cross_entropy", forward_only=True)])[0].loss_fn_outputs]
+    forward_only = forward_backward(model, [ForwardItem(plain, data(), "cross_entropy", forward_only=True)])[0]
+    sampler = [out["logprobs"] for out in forward_only.loss_fn_outputs]
     advantages = [types.TensorData.from_torch(w) for w in weights]
     reference = forward_backward(model, [ForwardItem(plain, data(advantages=advantages, logprobs=sampler),
                                                      "importance_sampling")])[0]

@@ -193,8 +193,9 @@ def _run_pass(
         head_loss = backward and all(weights is not None for weights in token_weights)
         with active_adapters(model, _segments(lengths, adapters)):
             if head_loss:  # every row's loss is a fixed weighting of its log-probs: the head does it all at once
-                logprobs, total = model.get_output_embeddings()(
-                    hidden[attention_mask.bool()], target_ids=targets, token_weights=torch.cat(token_weights).to(device))
+                weights = torch.cat(token_weights).to(device)
+                logprobs, total = model.get_output_embeddings()(hidden[attention_mask.bool()], target_ids=targets,
+                                                                 token_weights=weights)
             else:
                 logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
         per_row = list(torch.split(logprobs, lengths))
