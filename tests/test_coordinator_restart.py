@@ -3,18 +3,24 @@ accepted request, no acknowledged step and no run; the client's script runs on u
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
+import socket
 import sqlite3
+import threading
 import time
 
 import pytest
 from conftest import BASE, assert_same_weights, saved_adapter, text_datum, wait_for_workers
 
+import torch
+
 import bios
 from bios import types as t
 from bios.sdk import connection
+from bios.worker.daemon import WorkerConfig, WorkerDaemon
 
 BATCH = [text_datum("the coordinator may die at any moment"), text_datum("and the run goes on as if it had not")]
 PARAMS = t.AdamParams(learning_rate=1e-3)
@@ -169,3 +175,42 @@ def test_the_tinker_sdk_trains_through_a_restart_over_the_gateway(tmp_path):
         expected = train(cluster)
         got = train(cluster, restart_at=(1, 2))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+async def test_a_coordinator_killed_during_a_workers_handshake_does_not_make_it_exit(tmp_path, caplog):
+    """A coordinator dying mid-handshake fails the handshake without a reason, as a refusal would: a worker that
+    was registering again tries again, and joins the coordinator that comes back."""
+    with bios.LocalCluster(workers=0, state_dir=tmp_path, heartbeat_timeout_s=2.0) as cluster:
+        service = bios.ServiceClient(address=cluster.address)
+        daemon = WorkerDaemon(WorkerConfig(cluster.address, torch.device("cpu"), discover_timeout_s=20))
+        running = asyncio.ensure_future(daemon.run())
+        try:
+            await asyncio.to_thread(wait_for_workers, service, 1)
+            cluster.coordinator.kill()
+            cluster.coordinator.wait()
+            daemon.rejoin_requested.set()  # what the Rejoin of a restarted coordinator asks
+            while not daemon.worker_id.endswith("-rejoin1"):  # its old connection is closed
+                await asyncio.sleep(0.05)
+            hung_up = threading.Semaphore(0)
+            with socket.create_server(("127.0.0.1", int(cluster._addresses["workers"].rsplit(":", 1)[1]))) as dying:
+                def hang_up_twice() -> None:
+                    for _ in range(2):
+                        connection_, _ = dying.accept()
+                        connection_.close()
+                        hung_up.release()
+
+                threading.Thread(target=hang_up_twice, daemon=True).start()
+                for _ in range(2):
+                    assert await asyncio.to_thread(hung_up.acquire, timeout=30)
+            await asyncio.sleep(0.2)
+            assert not running.done(), running.exception()
+            cluster.start_coordinator_again()
+            service.close()
+            service = bios.ServiceClient(address=cluster.address)
+            await asyncio.to_thread(wait_for_workers, service, 1)
+            assert "hung up during this worker's handshake" in caplog.text
+        finally:
+            service.close()
+            daemon.stop_requested.set()
+            if not running.done():
+                await asyncio.wait_for(running, 30)

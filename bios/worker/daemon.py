@@ -26,7 +26,7 @@ from bios.actors.actor import Actor, Policy, spawn
 from bios.actors.remote import RemoteError, RemoteRef
 from bios.exceptions import AuthenticationError
 from bios.models import list_models
-from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, HandshakeWatch
+from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, UNREADABLE, HandshakeWatch
 from bios.security.keys import WorkerToken
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer, Security
@@ -43,6 +43,10 @@ LEAVE_TIMEOUT_S = 120.0  # exit anyway if the coordinator never answers a leave
 # A registration the coordinator does not answer within this is sent again: it may have died (and restarted)
 # between receiving it and answering, and the worker must not wait on a dead one or exit.
 REGISTER_TIMEOUT_S = 5.0
+# A handshake that fails without a reason is what a coordinator killed mid-handshake looks like, and also what a
+# coordinator that now wants a key it does not have looks like: re-registering, a worker believes the second
+# only after this many such failures in a row.
+HANGUP_RETRIES = 5
 
 
 def default_device() -> torch.device:
@@ -121,6 +125,14 @@ class Trainer(Actor):
         self.thread.shutdown(wait=False, cancel_futures=True)
 
 
+class _HandshakeFailed(Exception):
+    """A registration's handshake failed; `WorkerDaemon.run` decides whether that is worth another try."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class WorkerDaemon:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -142,14 +154,23 @@ class WorkerDaemon:
         address = await self._worker_address()
         self.trainer = spawn(lambda: Trainer(lambda: self.worker_id, self.pool, self.group, self._send),
                              name="trainer", policy=Policy.RESUME)
-        rejoins = 0
+        rejoins = hangups = 0
         while True:
             try:
                 heartbeat = await self._register(address)
+                hangups = 0
             except asyncio.TimeoutError:
                 log.warning("the coordinator did not answer this worker's registration within %.0fs (restarting?): "
                             "registering again", REGISTER_TIMEOUT_S)
                 await self._disconnect()
+                continue
+            except _HandshakeFailed as failed:
+                await self._disconnect()
+                if failed.reason != UNREADABLE or rejoins == 0 or hangups >= HANGUP_RETRIES:
+                    raise self._refused(failed.reason) from None
+                hangups += 1
+                log.warning("the coordinator hung up during this worker's handshake (restarting?): registering again")
+                await asyncio.sleep(1.0)
                 continue
             stop = asyncio.ensure_future(self.stop_requested.wait())
             rejoin = asyncio.ensure_future(self.rejoin_requested.wait())
@@ -194,7 +215,7 @@ class WorkerDaemon:
             ),
             timeout=REGISTER_TIMEOUT_S,
         )
-        accepted = await watch.guard(register, self._refused)
+        accepted = await watch.guard(register, _HandshakeFailed)
         log.info("worker %s registered at %s on %s", self.worker_id, address, self.config.device)
         return asyncio.get_running_loop().create_task(self._heartbeat(accepted.heartbeat_interval_s))
 
