@@ -3,6 +3,7 @@ per expert and per active expert, and exact parameter counts read from the safet
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -21,12 +22,26 @@ def test_every_architecture_gets_a_plan(arch):
     assert plan.tp == 1 and plan.estimate.total < 4 * GiB
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gpt2", *MOE])
+@pytest.mark.parametrize("arch", ["phi3", "gpt2", "gpt_oss", "deepseek_v3"])
 def test_layouts_tensor_parallelism_cannot_split_say_why(arch):
     shape = ModelShape.from_config(build_model(arch).config)
     problem = shape.tensor_parallel_problem(2)
     assert problem and ("no tensor-parallel split" in problem)
     assert shape.tensor_parallel_problem(1) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_models_split_their_routed_experts_over_the_group(arch):
+    """Expert parallelism: each of two workers holds half of every layer's experts and of their adapters."""
+    shape = ModelShape.from_config(build_model(arch).config)
+    assert shape.tensor_parallel_problem(2) is None
+    odd = dataclasses.replace(shape, num_experts=3)
+    assert "3 routed experts per layer do not split evenly over 2" in odd.tensor_parallel_problem(2)
+    h, width = shape.hidden_size, shape.expert_intermediate_size
+    expert_weights = shape.moe_layers * shape.num_experts * 3 * h * width
+    assert _weight_elements(shape, 1) - _weight_elements(shape, 2) >= expert_weights // 2
+    assert _lora_elements(shape, 8, 1) - _lora_elements(shape, 8, 2) >= shape.moe_layers * shape.num_experts * 8 * (
+        3 * h + 3 * width) // 2
 
 
 @pytest.mark.parametrize("arch", MOE)

@@ -1,6 +1,7 @@
-"""The model of the tensor-parallel cluster tests and the worker budget that makes only TP=2 fit it.
+"""The models of the tensor- and expert-parallel cluster tests and the worker budget that makes only TP=2 fit.
 
-A random Llama of 12 layers of width 384 (tensor parallelism halves most of its activations) with the
+A random Llama of 12 layers of width 384 (tensor parallelism halves most of its activations), and a random
+Qwen3-MoE whose 16 experts per layer hold most of its weights (expert parallelism halves them), each with the
 built-ins' byte-level tokenizer, written to a local directory: config.json is all the coordinator reads to plan.
 """
 
@@ -11,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from bios.models import resolve_model_dir
 from bios.models.cache import save_model_files
@@ -20,13 +21,25 @@ from bios.models.memory_plan import MiB, USABLE_FRACTION, ModelShape, estimate
 RANK = 8
 SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=4,
              num_key_value_heads=2, head_dim=96)
+MOE_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=1024)
 
 
 def write_tp_model(directory: Path) -> Path:
+    return _write(LlamaConfig, LlamaForCausalLM, SHAPE, directory)
+
+
+def write_moe_model(directory: Path) -> Path:
+    return _write(Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE, directory)
+
+
+def _write(config_class, model_class, shape: dict, directory: Path) -> Path:
     tiny = resolve_model_dir("bios/tiny-llama")
-    config = LlamaConfig(**{**json.loads((tiny / "config.json").read_text()), **SHAPE})
+    fields = {key: value for key, value in json.loads((tiny / "config.json").read_text()).items()
+              if key not in ("model_type", "architectures")}
+    config = config_class(**{**fields, **shape})
     torch.manual_seed(0)
-    save_model_files(LlamaForCausalLM(config), directory)
+    save_model_files(model_class(config), directory)
     for name in tiny.iterdir():
         if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
             shutil.copy(name, directory / name.name)

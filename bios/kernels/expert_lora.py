@@ -189,26 +189,28 @@ class _ExpertLinear(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None, None, *grads
 
 
-def combine_experts(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+def combine_experts(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, top_k: int,
+                    tokens: int) -> torch.Tensor:
     """Each token's routing-weighted sum of its expert outputs: sorted row i of `out` [S, hidden] is the
     (token, expert) pair `order[i]` (token `order[i] // top_k`) with routing weight `weights[i]`; returns
-    [S // top_k, hidden], summed over each token's pairs in pair order as transformers does. Backward keeps
-    `out` and `weights` (autograd through the stock ops also keeps their product, for the unsort)."""
-    if not out.shape[0] == weights.shape[0] == order.shape[0] or out.shape[0] % top_k:
+    [tokens, hidden], summed over each token's pairs in pair order as transformers does. Pairs missing from
+    `order` (routed to experts another worker holds) add nothing. Backward keeps `out` and `weights` (autograd
+    through the stock ops also keeps their product, for the unsort)."""
+    if not out.shape[0] == weights.shape[0] == order.shape[0] or out.shape[0] > tokens * top_k:
         raise ValueError(
             f"combine_experts: out {tuple(out.shape)}, weights {tuple(weights.shape)} and order "
-            f"{tuple(order.shape)} must have the same rows, a multiple of top_k={top_k}"
+            f"{tuple(order.shape)} must have the same rows, at most tokens * top_k = {tokens * top_k}"
         )
-    return _CombineExperts.apply(out, weights, order, top_k)
+    return _CombineExperts.apply(out, weights, order, top_k, tokens)
 
 
 class _CombineExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, weights, order, top_k):
+    def forward(ctx, out, weights, order, top_k, tokens):
         ctx.top_k = top_k
         ctx.save_for_backward(out, weights, order)
-        unsorted = torch.zeros_like(out).index_copy_(0, order, out * weights[:, None])
-        return unsorted.view(out.shape[0] // top_k, top_k, -1).sum(dim=1)
+        unsorted = out.new_zeros(tokens * top_k, out.shape[1]).index_copy_(0, order, out * weights[:, None])
+        return unsorted.view(tokens, top_k, -1).sum(dim=1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -216,4 +218,4 @@ class _CombineExperts(torch.autograd.Function):
         grad_rows = grad.index_select(0, order // ctx.top_k)
         grad_weights = (grad_rows * out).sum(dim=1) if ctx.needs_input_grad[1] else None
         grad_out = grad_rows.mul_(weights[:, None]) if ctx.needs_input_grad[0] else None
-        return grad_out, grad_weights, None, None
+        return grad_out, grad_weights, None, None, None

@@ -18,8 +18,10 @@ multiples of 3, like SmolLM2's 9 query and 3 key/value heads). A model that fits
 `BadRequestError` that says what it needs and what the workers have.
 
 MoE layers count every routed expert's weights and adapter but the activations of the token's active experts
-only; layouts this arithmetic does not know (GPT-2, Phi-3, MLA, MoE) take their weights from the safetensors
-headers when the model directory is at hand (`bios.models.model_shape`), and are not tensor-parallel split.
+only; tensor parallelism splits their routed experts over the group (expert parallelism), while a worker's
+activations keep every active expert (routing may send them all to it). Layouts this arithmetic does not know
+(GPT-2, Phi-3, MLA, shared experts) take their weights from the safetensors headers when the model directory
+is at hand (`bios.models.model_shape`), and are not tensor-parallel split.
 A vision-language model adds its frozen image encoder to the weights and, to the activations, the encoder's
 working set over a pass whose every token is an image token (an upper bound: `bios.models.vision_shape`).
 
@@ -256,7 +258,9 @@ def _weight_elements(shape: ModelShape, tp: int) -> int:
             mlp += size
         else:
             attention += size
-    experts = shape.num_experts * (3 * h * shape.expert_intermediate_size + h) + 3 * h * shape.shared_intermediate_size
+    router = shape.num_experts * h  # replicated; the experts split over the group (expert parallelism)
+    experts = shape.num_experts * 3 * h * shape.expert_intermediate_size // tp + router
+    experts += 3 * h * shape.shared_intermediate_size
     norms = 2 * h + 2 * shape.head_dim  # input/post-attention norms (+ q/k norms of Qwen3: a rounding error)
     dense_layers = shape.num_layers - shape.moe_layers
     layers = dense_layers * ((attention + mlp) // tp) + shape.moe_layers * (attention // tp + experts)
@@ -287,7 +291,7 @@ def _lora_elements(shape: ModelShape, rank: int, tp: int) -> int:
         else:
             attention += size
     h, width, shared = shape.hidden_size, shape.expert_intermediate_size, shape.shared_intermediate_size
-    experts = shape.num_experts * rank * (3 * h + 3 * width) + (3 * rank * (h + shared) if shared else 0)
+    experts = shape.num_experts * rank * (3 * h + 3 * width) // tp + (3 * rank * (h + shared) if shared else 0)
     head = rank * (shape.hidden_size + shape.vocab_size)
     dense_layers = shape.num_layers - shape.moe_layers
     return dense_layers * (attention + mlp) + shape.moe_layers * (attention + experts) + head
@@ -309,11 +313,11 @@ def _saved_per_token_layer(
     act = _DTYPE_BYTES[dtype]
     h, q, i = shape.hidden_size, shape.q_size, shape.intermediate_size
     replicated = 4 * h * act if fused else 2 * h * _FP32 + 2 * h * act
-    if moe:
+    if moe:  # a worker may hold all of a token's experts (routing decides), so expert terms do not split
         active = shape.experts_per_token
         per_expert = 2 * h + 4 * shape.expert_intermediate_size + 2 * rank
         shared = 4 * shape.shared_intermediate_size + 3 * rank
-        return replicated + (5 * q + active * per_expert + shared) * act + 4 * rank * act
+        return replicated + (5 * q / tp + active * per_expert + shared) * act + 4 * rank * act
     split = (5 * q + (3 if fused else 4) * i) * act
     lora = 7 * rank * act
     return replicated + split / tp + lora

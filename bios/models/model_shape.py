@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 _UNSPLIT_LAYOUTS = {
     "gpt2": "its Conv1D attention and MLP layers have no tensor-parallel split",
     "phi3": "its fused qkv_proj and gate_up_proj layers have no tensor-parallel split",
+    "gpt_oss": "its attention sinks have no tensor-parallel split",
 }
 _VISION_SPLIT_PROBLEM = "vision-language models are not tensor-parallel split (the shards hold no image processor)"
 _NAMES = {
@@ -99,8 +100,9 @@ class ModelShape:
         vision = _vision_of(config)
         if vision is not None:
             split_problem = _VISION_SPLIT_PROBLEM
-        elif experts:
-            split_problem = "its routed experts have no tensor-parallel split (expert parallelism is not implemented)"
+        elif shared:
+            split_problem = ("its shared experts have no tensor-parallel split (expert parallelism splits routed "
+                             "experts only)")
         elif getattr(text, "kv_lora_rank", None):
             split_problem = "its multi-head latent attention projections have no tensor-parallel split"
         return cls(
@@ -149,10 +151,12 @@ class ModelShape:
         """Why this model cannot be split over `tp` workers, or None when it can."""
         if tp > 1 and self.split_problem:
             return self.split_problem
+        dense_layers = self.num_layers > self.moe_layers
         for what, count in (
             ("attention heads", self.num_heads),
             ("key/value heads", self.num_kv_heads),
-            ("MLP intermediate size", self.intermediate_size),
+            ("MLP intermediate size", self.intermediate_size if dense_layers else 0),
+            ("routed experts per layer", self.num_experts),
         ):
             if count % tp:
                 return f"its {count} {what} do not split evenly over {tp} workers"
@@ -207,7 +211,7 @@ def model_shape(name: str) -> ModelShape | None:
     """The shape of base model `name` from its `config.json`, without loading anything or writing a model.
 
     Built-ins come from their catalog entry; other names from the directory they resolve to on this host, with
-    the stored parameter count when the layout is one the planner's arithmetic does not know. None when this
+    the stored parameter count when the layout is one the planner's arithmetic does not know exactly (any MoE). None when this
     host does not have the model (a pulled model not pulled yet, a directory only workers see).
     """
     from bios.models.catalog import BUILTIN_MODELS
@@ -225,6 +229,6 @@ def model_shape(name: str) -> ModelShape | None:
     if not config_file.is_file():
         return None
     shape = ModelShape.from_dict(json.loads(config_file.read_text()))
-    if shape.split_problem is None:
+    if shape.split_problem is None and not shape.num_experts:
         return shape
     return replace(shape, stored_parameters=stored_parameters(directory))

@@ -14,6 +14,10 @@ for backward. With kernels off the same arithmetic runs as plain autograd ops, o
 
 Segments count rows of the decoder layer's input (dim 0, sequences), while experts see flattened tokens; a
 forward pre-hook on the enclosing decoder layer records how many tokens one row holds.
+
+Under expert parallelism (`bios.worker.expert_parallel`) a module holds only experts [first, first + count)
+of the layer: routes to the others become the sentinel `count` (transformers' convention) and are skipped,
+and such a module always runs this computation, adapters or not (not every stock forward knows sentinels).
 """
 
 from __future__ import annotations
@@ -45,13 +49,19 @@ class ExpertSlot:
         self.lora_segments: list[LoraSegment] = []
 
 
-class _LoraExperts:
+class LoraExperts:
     """Mixin put before a transformers experts class (see the module docstring)."""
 
     lora_slots: dict[str, ExpertSlot]
     bios_rows_per_item: int | None
+    bios_local_experts: tuple[int, int] | None  # (first, count) of the experts this worker holds, if split
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if self.bios_local_experts is not None:
+            first, count = self.bios_local_experts
+            local = top_k_index - first
+            return _forward_with_lora(self, hidden_states, local.masked_fill((local < 0) | (local >= count), count),
+                                      top_k_weights)
         if not any(slot.lora_segments for slot in self.lora_slots.values()):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         return _forward_with_lora(self, hidden_states, top_k_index, top_k_weights)
@@ -63,13 +73,14 @@ _lora_classes: dict[type, type] = {}
 def attach_experts(model: nn.Module, module_name: str) -> dict[str, ExpertSlot]:
     """Give the experts module at `module_name` LoRA slots (idempotent); returns them by parameter name."""
     module = model.get_submodule(module_name)
-    if not isinstance(module, _LoraExperts):
+    if not isinstance(module, LoraExperts):
         stock = type(module)
         if stock not in _lora_classes:
-            _lora_classes[stock] = type(f"Lora{stock.__name__}", (_LoraExperts, stock), {"__module__": __name__})
+            _lora_classes[stock] = type(f"Lora{stock.__name__}", (LoraExperts, stock), {"__module__": __name__})
         module.__class__ = _lora_classes[stock]
         module.lora_slots = {name: ExpertSlot() for name in expert_parameters(module)}
         module.bios_rows_per_item = None
+        module.bios_local_experts = None
     return module.lora_slots
 
 
@@ -78,7 +89,7 @@ def record_rows_per_item(model: nn.Module) -> None:
     for layer in model.modules():
         if not isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_bios_rows_hook", False):
             continue
-        experts = [module for module in layer.modules() if isinstance(module, _LoraExperts)]
+        experts = [module for module in layer.modules() if isinstance(module, LoraExperts)]
         if not experts:
             continue
 
@@ -91,7 +102,7 @@ def record_rows_per_item(model: nn.Module) -> None:
         layer._bios_rows_hook = True
 
 
-def _blocks(module: _LoraExperts) -> list[tuple[int, int, dict[str, LoraSegment]]]:
+def _blocks(module: LoraExperts) -> list[tuple[int, int, dict[str, LoraSegment]]]:
     """The distinct row ranges adapters hold on this module, in order, each with its segment per parameter."""
     by_range: dict[tuple[int, int], dict[str, LoraSegment]] = {}
     for name, slot in module.lora_slots.items():
@@ -115,21 +126,26 @@ def _forward_with_lora(module, hidden_states: Tensor, top_k_index: Tensor, top_k
         if end * rows_per_item > tokens:
             raise ValueError(f"adapter rows [{start}, {end}) exceed the {tokens // rows_per_item} rows of the batch")
         slot[start * rows_per_item : end * rows_per_item] = index
-    key = slot.repeat_interleave(top_k) * num_experts + top_k_index.reshape(-1)
+    expert = top_k_index.reshape(-1)
+    groups = (len(blocks) + 1) * num_experts
+    # (block, expert) group of every (token, k) pair; pairs routed to another worker's experts sort last
+    key = (slot.repeat_interleave(top_k) * num_experts + expert).masked_fill(expert >= num_experts, groups)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=(len(blocks) + 1) * num_experts).view(-1, num_experts).tolist()
+    counts = torch.bincount(key, minlength=groups + 1)[:groups].view(-1, num_experts).tolist()
+    order = order[: sum(map(sum, counts))]
     first, second = expert_parameters(module)
     gate = module._apply_gate if module.has_gate else module.act_fn
     weights = top_k_weights.reshape(-1)[order]
     if kernels_enabled():
         projected = _project(module, first, hidden_states, counts, blocks, rows=order // top_k)
         out = _post_expert_norm(module, _project(module, second, projected, counts, blocks, activation=gate))
-        combined = combine_experts(out, weights.to(out.dtype), order, top_k)
+        combined = combine_experts(out, weights.to(out.dtype), order, top_k, tokens)
     else:
         projected = _stock_project(module, first, hidden_states[order // top_k], counts, blocks)
         out = _post_expert_norm(module, _stock_project(module, second, gate(projected), counts, blocks))
         weighted = out * weights.to(out.dtype)[:, None]
-        combined = torch.zeros_like(weighted).index_copy(0, order, weighted).view(tokens, top_k, -1).sum(dim=1)
+        combined = weighted.new_zeros(tokens * top_k, weighted.shape[1]).index_copy(0, order, weighted)
+        combined = combined.view(tokens, top_k, -1).sum(dim=1)
     return combined.to(hidden_states.dtype)
 
 

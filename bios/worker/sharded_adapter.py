@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,19 +19,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bios.messages import CheckpointState
+from bios.peft_layout import experts_from_peft, experts_to_peft
 from bios.types import AdamParams, DimuonParams, LoraConfig, OptimizerName, OptimStepResponse
 from bios.worker.adapter import AdapterState, init_lora_weights, lora_targets, validate_lora_config
 from bios.worker.checkpoint import load_into, restore_adapter
 from bios.worker.engine import optim_step
-
-if TYPE_CHECKING:
-    pass
-
+from bios.worker.targets import peft_keys
 from bios.worker.tensor_parallel import ShardInfo, require_sharded
-
-_PEFT_PREFIX = "base_model.model."
-_PEFT_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
 
 def shared_seed(config: LoraConfig, group: dist.ProcessGroup | None = None) -> int:
     """The adapter's seed, the same on every worker of the group: `config.seed`, or group rank 0's random draw."""
@@ -41,7 +34,6 @@ def shared_seed(config: LoraConfig, group: dist.ProcessGroup | None = None) -> i
     seed = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(seed.item())
-
 
 def create_sharded_adapter(
     model_id: str, model: nn.Module, config: LoraConfig, *, seed: int, device: torch.device | str
@@ -65,7 +57,6 @@ def create_sharded_adapter(
             view_b.copy_(shard_b)
     return state
 
-
 def reduce_shared_grads(adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None) -> None:
     """Sum over the group the pending gradients of the whole factors each worker only saw a share of.
 
@@ -75,11 +66,10 @@ def reduce_shared_grads(adapter: AdapterState, info: ShardInfo, group: dist.Proc
     """
     parts = []
     for target in adapter.targets:
-        if target.module_name not in info.kinds:
-            continue
-        column = info.kinds[target.module_name] == "column"
-        lora_a, lora_b = adapter.lora_pair(target.module_name)
-        parts.append((lora_a if column else lora_b).grad)
+        kind = info.kinds.get(target.module_name)
+        if kind in ("column", "row"):  # experts' factors split with their experts: exact locally
+            lora_a, lora_b = adapter.lora_pair(target.module_name)
+            parts.append((lora_a if kind == "column" else lora_b).grad)
     if not parts or info.world == 1:
         return
     packed = torch.cat([part.reshape(-1) for part in parts])
@@ -88,7 +78,6 @@ def reduce_shared_grads(adapter: AdapterState, info: ShardInfo, group: dist.Proc
     for part in parts:
         part.copy_(packed[offset : offset + part.numel()].view_as(part))
         offset += part.numel()
-
 
 def sharded_grad_norm(
     adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None, grad: Tensor | None = None
@@ -111,14 +100,12 @@ def sharded_grad_norm(
         dist.all_reduce(split_sq, group=group)
     return math.sqrt(float(split_sq + whole_sq))
 
-
 @torch.no_grad()
 def commit_sharded_gradients(adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None) -> float:
     """`engine.commit_gradients` for a shard: add this cycle's gradient, return the whole gradient's norm."""
     adapter.grad.add_(adapter.pending_grad)
     adapter.pending_grad.zero_()
     return sharded_grad_norm(adapter, info, group)
-
 
 def sharded_optim_step(
     adapter: AdapterState,
@@ -142,7 +129,6 @@ def sharded_optim_step(
         return optim_step(adapter, params, grad_norm=norm, split=split,
                           reduce=(lambda tensor: dist.all_reduce(tensor, group=group)) if info.world > 1 else None)
     return optim_step(adapter, params, grad_norm=norm)
-
 
 def gather_full_adapter(
     adapter: AdapterState, info: ShardInfo, group: dist.ProcessGroup | None = None
@@ -176,7 +162,6 @@ def gather_full_adapter(
     full.optimizer = adapter.optimizer
     return full
 
-
 @torch.no_grad()
 def copy_full_into_shard(full: AdapterState, shard: AdapterState, info: ShardInfo) -> None:
     """Load a whole adapter (e.g. restored from a checkpoint) into this worker's shard: params, committed
@@ -196,19 +181,17 @@ def copy_full_into_shard(full: AdapterState, shard: AdapterState, info: ShardInf
     shard.step = full.step
     shard.scale = full.scale
 
-
 def full_parameter_count(adapter: AdapterState, info: ShardInfo) -> int:
     """Parameters of the whole adapter a shard belongs to (what a single worker would report)."""
     rank = adapter.config.rank
-    return sum(rank * sum(info.full_shapes[target.module_name]) for target in adapter.targets)
-
+    return sum(rank * (full.in_features + full.out_features) * max(1, full.num_experts)
+               for full in map(info.full_target, (target.module_name for target in adapter.targets)))
 
 def shard_checkpoint(state: CheckpointState, info: ShardInfo) -> CheckpointState:
     """A checkpoint's adapter tensors cut to this worker's slices (no optimizer state): for sampler weights."""
     full = {key: torch.from_numpy(np.asarray(value)) for key, value in state.adapter.items()}
     tensors = {key: value.numpy() for key, value in shard_adapter_state(full, info).items()}
     return CheckpointState(adapter=tensors, optimizer=None, metadata=state.metadata)
-
 
 def restore_sharded_adapter(
     model_id: str, model: nn.Module, state: CheckpointState, *, with_optimizer: bool, device: torch.device | str,
@@ -227,30 +210,26 @@ def restore_sharded_adapter(
         copy_full_into_shard(full, shard, info)
     return shard
 
-
 def shard_adapter_state(full_state: dict[str, Tensor], info: ShardInfo) -> dict[str, Tensor]:
     """A PEFT-named adapter state dict (whole matrices) cut down to this worker's slices, same keys."""
     result = {}
-    for name, (key_a, key_b) in _peft_pairs(full_state).items():
+    for name, (key_a, key_b) in _peft_pairs(full_state, info).items():
         result[key_a], result[key_b] = (
             t.clone() for t in _shard_pair(info, name, full_state[key_a], full_state[key_b])
         )
     return result
-
 
 def gather_adapter_state(shard_states: Sequence[dict[str, Tensor]], info: ShardInfo) -> dict[str, Tensor]:
     """The whole PEFT-named adapter state dict from every worker's `state_dict()`, listed in group-rank order."""
     if len(shard_states) != info.world:
         raise ValueError(f"need one state dict per worker of the group ({info.world}), got {len(shard_states)}")
     result = {}
-    for name, (key_a, key_b) in _peft_pairs(shard_states[0]).items():
+    for name, (key_a, key_b) in _peft_pairs(shard_states[0], info).items():
         pairs = [(state[key_a], state[key_b]) for state in shard_states]
         result[key_a], result[key_b] = _gather_pairs(info, name, pairs)
     return result
 
-
 # ---------------------------------------------------------------------------------------------- layout
-
 
 def _shard_pair(info: ShardInfo, name: str, lora_a: Tensor, lora_b: Tensor) -> tuple[Tensor, Tensor]:
     kind = info.kinds.get(name)
@@ -258,8 +237,10 @@ def _shard_pair(info: ShardInfo, name: str, lora_a: Tensor, lora_b: Tensor) -> t
         return lora_a, lora_b.chunk(info.world, dim=0)[info.rank]
     if kind == "row":
         return lora_a.chunk(info.world, dim=1)[info.rank], lora_b
+    if kind == "experts":
+        per_a, per_b = _per_expert(lora_a, lora_b, info.full_target(name).num_experts)
+        return _as_given(per_a.chunk(info.world)[info.rank], per_b.chunk(info.world)[info.rank], like=lora_a)
     return lora_a, lora_b
-
 
 def _gather_pairs(info: ShardInfo, name: str, pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     kind = info.kinds.get(name)
@@ -267,13 +248,24 @@ def _gather_pairs(info: ShardInfo, name: str, pairs: Sequence[tuple[Tensor, Tens
         return pairs[0][0].clone(), torch.cat([lora_b for _, lora_b in pairs], dim=0)
     if kind == "row":
         return torch.cat([lora_a for lora_a, _ in pairs], dim=1), pairs[0][1].clone()
+    if kind == "experts":
+        local = info.full_target(name).num_experts // info.world
+        experts = [_per_expert(lora_a, lora_b, local) for lora_a, lora_b in pairs]
+        lora_a = torch.cat([lora_a for lora_a, _ in experts])
+        return _as_given(lora_a, torch.cat([lora_b for _, lora_b in experts]), like=pairs[0][0])
     return pairs[0][0].clone(), pairs[0][1].clone()
 
+def _per_expert(lora_a: Tensor, lora_b: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """Experts' factors as A [E, r, in], B [E, out, r], whether given so or in PEFT's stacked 2D layout."""
+    return (lora_a, lora_b) if lora_a.ndim == 3 else experts_from_peft(lora_a, lora_b, experts)
+
+def _as_given(lora_a: Tensor, lora_b: Tensor, *, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-expert factors back in the layout `like` came in (3D, or PEFT's stacked 2D)."""
+    return (lora_a, lora_b) if like.ndim == 3 else experts_to_peft(lora_a, lora_b)
 
 def _pairs_in(flat: Tensor, adapter: AdapterState) -> dict[str, tuple[Tensor, Tensor]]:
     """Views of `flat` (a buffer laid out like `adapter.params`) shaped as each target's (A, B)."""
     return adapter.pairs_in(flat)
-
 
 def _factor_spans(adapter: AdapterState, info: ShardInfo) -> list[tuple[slice, bool]]:
     """(slice of the flat buffers, whole on every worker?) for every LoRA factor, in buffer order."""
@@ -285,17 +277,14 @@ def _factor_spans(adapter: AdapterState, info: ShardInfo) -> list[tuple[slice, b
             spans.append((slice(start, start + factor.numel()), whole))
     return spans
 
-
-def _peft_pairs(state: dict[str, Tensor]) -> dict[str, tuple[str, str]]:
-    """Module name -> (A key, B key) of a PEFT-named adapter state dict."""
-    pairs = {}
-    for key in state:
-        if key.endswith(_PEFT_SUFFIXES[0]):
-            name = key[: -len(_PEFT_SUFFIXES[0])].removeprefix(_PEFT_PREFIX)
-            key_b = key[: -len(_PEFT_SUFFIXES[0])] + _PEFT_SUFFIXES[1]
-            if key_b not in state:
-                raise ValueError(f"adapter state has {key} but no {key_b}")
-            pairs[name] = (key, key_b)
+def _peft_pairs(state: dict[str, Tensor], info: ShardInfo) -> dict[str, tuple[str, str]]:
+    """Target name -> (A key, B key) of a PEFT-named adapter state dict (experts' keys name their module, not
+    their parameter: `bios.peft_layout`)."""
+    pairs = {name: keys for name, keys in peft_keys(list(info.full_targets.values())).items() if keys[0] in state}
+    for key_a, key_b in pairs.values():
+        if key_b not in state:
+            raise ValueError(f"adapter state has {key_a} but no {key_b}")
     if len(pairs) * 2 != len(state):
-        raise ValueError("adapter state has keys that are not PEFT LoRA A/B pairs")
+        unknown = sorted(set(state) - {key for keys in pairs.values() for key in keys})
+        raise ValueError(f"adapter state has keys that are not LoRA factors of this model: {unknown[:3]}")
     return pairs

@@ -25,12 +25,16 @@ fp32 buffer), and DTensor refuses mixed operands ("aten.mm.default got mixed tor
 Making A/B DTensors would make their `.grad` DTensors too, breaking the flat `pending_grad` aliasing that the
 optimizer, all-reduce and checkpoints rely on. Plain slicing plus two autograd Functions is ~30 lines.
 
+MoE layers split by experts instead (`bios.worker.expert_parallel`): each worker keeps 1/tp of every layer's
+routed experts, with the same pair of all-reduces around the MoE block.
+
 `load_sharded_model` reads only a worker's slices from safetensors, so a model too big for one worker never
 has to fit in one. The adapters on a sharded model live in `bios.worker.sharded_adapter`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -39,14 +43,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from bios.worker.adapter import LoraTarget
-from bios.worker.lora import LoraLinear, attach_lora
 from bios.models.memory_plan import ModelShape
+from bios.worker.adapter import LoraTarget
+from bios.worker.expert_parallel import (
+    checkpoint_renamings,
+    experts_modules,
+    holds_experts,
+    read_local_experts,
+    split_experts,
+    stored_name,
+)
+from bios.worker.lora import LoraLinear, attach_lora
+from bios.worker.targets import all_targets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ShardKind = Literal["column", "row"]
+ShardKind = Literal["column", "row", "experts"]
 
 COLUMN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PROJECTIONS = ("o_proj", "down_proj")
@@ -56,25 +69,24 @@ _GROUP_FLAG = "_bios_tensor_parallel_group"
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Where a worker sits in its tensor-parallel group and how each LoRA-able linear of the model is split.
+    """Where a worker sits in its tensor-parallel group and how each LoRA target of the model is split.
 
-    `full_shapes` holds every LoRA-able linear's unsplit (in, out); `kinds` says how each split layer is cut
-    (absent: replicated, i.e. the output head). Plain data: the process group is passed separately.
+    `full_targets` holds every LoRA target unsplit; `kinds` says how each split target (and experts module) is
+    cut (absent: replicated, i.e. the output head). Plain data: the process group is passed separately.
     """
 
     rank: int
     world: int
-    full_shapes: dict[str, tuple[int, int]]
+    full_targets: dict[str, LoraTarget]
     kinds: dict[str, ShardKind]
 
     def full_target(self, module_name: str) -> LoraTarget:
-        fan_in, fan_out = self.full_shapes[module_name]
-        return LoraTarget(module_name, fan_in, fan_out)
+        return self.full_targets[module_name]
 
     def whole_factors(self, module_name: str) -> tuple[bool, bool]:
         """(A whole, B whole): whether every worker holds all of that factor (else it holds a 1/world slice)."""
         kind = self.kinds.get(module_name)
-        return kind != "row", kind != "column"
+        return kind not in ("row", "experts"), kind not in ("column", "experts")
 
 
 # ---------------------------------------------------------------------------------------------- collectives
@@ -155,7 +167,7 @@ def shard_model(model: nn.Module, rank: int, world: int, group: dist.ProcessGrou
     if problem := ModelShape.from_config(model.config).tensor_parallel_problem(world):
         raise ValueError(f"cannot split {type(model).__name__} over {world} workers: {problem}")
     head = model.get_output_embeddings()
-    full_shapes = {name: (module.in_features, module.out_features) for name, module in lora_layers.items()}
+    full_targets = {target.module_name: target for target in all_targets(model)}
     kinds: dict[str, ShardKind] = {}
     for name, module in lora_layers.items():
         leaf = name.rsplit(".", 1)[-1]
@@ -167,18 +179,22 @@ def shard_model(model: nn.Module, rank: int, world: int, group: dist.ProcessGrou
             kinds[name] = "row"
         elif module is not head:
             raise ValueError(f"tensor parallelism knows Llama-family projections; cannot split {name}")
+    for name, module in experts_modules(model).items():
+        split_experts(module, rank, world)
+        kinds[name] = "experts"
+        kinds.update({target: "experts" for target in full_targets if target.startswith(f"{name}.")})
     binding = _GroupBinding(group)
     blocks = 0
     for module in model.modules():
         children = {name for name, _ in module.named_children()}
-        if {"q_proj", "o_proj"} <= children or {"gate_proj", "down_proj"} <= children:
+        if {"q_proj", "o_proj"} <= children or {"gate_proj", "down_proj"} <= children or holds_experts(module):
             module.register_forward_pre_hook(_input_hook(binding), with_kwargs=True)
             module.register_forward_hook(_output_hook(binding))
             blocks += 1
     layers = model.config.get_text_config().num_hidden_layers
     if blocks != 2 * layers:
         raise ValueError(f"found {blocks} attention/MLP blocks in a {layers}-layer model; expected {2 * layers}")
-    info = ShardInfo(rank, world, full_shapes, kinds)
+    info = ShardInfo(rank, world, full_targets, kinds)
     setattr(model, _SHARD_FLAG, info)
     setattr(model, _GROUP_FLAG, binding)
     return info
@@ -236,14 +252,25 @@ def load_sharded_model(
     # Every name of a tied parameter: a file may store a tied head under either name.
     wanted = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     loaded = set()
-    with torch.no_grad():
+    with contextlib.ExitStack() as open_files, torch.no_grad():
+        stored = {}  # stored name -> the open file holding it
         for file in files:
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    if name in wanted:
-                        tensor = wanted[name]
-                        tensor.copy_(_stored_slice(handle.get_slice(name), name, info, tuple(tensor.shape)))
-                        loaded |= {alias for alias, other in wanted.items() if other is tensor}
+            handle = open_files.enter_context(safe_open(file, framework="pt"))
+            stored.update(dict.fromkeys(handle.keys(), handle))
+        renamings, names = checkpoint_renamings(config.model_type), set(stored)
+        for name, tensor in wanted.items():
+            if (key := stored_name(name, names, renamings)) is not None:
+                value = _stored_slice(stored[key].get_slice(key), name, info, tuple(tensor.shape))
+            elif info.kinds.get(name.rpartition(".")[0]) == "experts":  # stored one matrix per expert
+                count = tensor.shape[0]
+                value = read_local_experts(lambda key: stored[key].get_tensor(key), names, config.model_type,
+                                           name, info.rank * count, count)
+                if value is None:
+                    continue
+            else:
+                continue
+            tensor.copy_(value)
+            loaded |= {alias for alias, other in wanted.items() if other is tensor}
         for name, module in list(model.named_modules()):
             if _is_rotary(module):
                 parent, _, leaf = name.rpartition(".")
@@ -265,10 +292,10 @@ def _is_recomputed(model: nn.Module, name: str) -> bool:
 
 def _stored_slice(stored, name: str, info: ShardInfo, shape: tuple[int, ...]) -> Tensor:
     """The part of a stored tensor this worker keeps: output rows of a column-split layer, input columns of
-    a row-split one's weight, everything else whole."""
+    a row-split one's weight, its own experts of an experts module, everything else whole."""
     module, _, leaf = name.rpartition(".")
     kind = info.kinds.get(module)
-    if kind == "column":
+    if kind == "column" or kind == "experts":
         return stored[info.rank * shape[0] : (info.rank + 1) * shape[0]]
     if kind == "row" and leaf == "weight":
         return stored[:, info.rank * shape[1] : (info.rank + 1) * shape[1]]
