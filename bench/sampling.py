@@ -12,6 +12,12 @@
 
 Both sides sample at temperature 1 with a KV cache and never stop early (`stop=[]` / no EOS), so they produce
 the same number of tokens.
+
+The machine's limit: a decode step of 16 sequences reads every weight matrix once for 16 rows, so it cannot be
+faster than those matmuls alone. `decode_matmul_floor` times exactly them (each linear layer and the head on a
+[16, in] input, in model order, nothing else), and the bench prints the tokens/s that floor allows next to
+the measured rates: on CPU these matmuls stream the weights from DRAM, so no sampler reading the same weights
+in the same dtype can beat that ceiling.
 """
 
 from __future__ import annotations
@@ -101,6 +107,22 @@ async def one_prompt_many_samples(model_name: str, prompt: list[int], samples: i
     return hf_rates, bios_rates
 
 
+def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: int = 5) -> float:
+    """Seconds of one decode step's weight matmuls alone (fastest of `rounds`): the floor of any sampler that
+    reads these weights in this dtype for `rows` sequences per step."""
+    model = load_base_model(model_name, dtype=dtype).model
+    weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for weight in weights:
+                inputs[weight.shape[1]] @ weight.T
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -124,6 +146,7 @@ def main() -> None:
     one_prompt = [token for prompt in prompts for token in prompt][:50]
     hf_rates, bios_rates = asyncio.run(one_prompt_many_samples(args.model, one_prompt, args.requests, args.tokens,
                                                                rounds=args.rounds, device=device, dtype=dtype))
+    floor = decode_matmul_floor(args.model, args.requests, dtype)
     ref_rate, ref_latency = hf_generate(args.model, prompts, args.tokens, dtype)
     rate, latency = asyncio.run(bios_sample(args.model, prompts, args.tokens))
     hf_one, bios_one = statistics.median(hf_rates), statistics.median(bios_rates)
@@ -131,6 +154,8 @@ def main() -> None:
     print(f"{f'HF generate, num_return_sequences={args.requests} (reference)':<58} {hf_one:9.1f} {'':>10} {1.0:6.2f}")
     print(f"{f'bios, one request of {len(one_prompt)} tokens, {args.requests} samples':<58} {bios_one:9.1f} {'':>10} "
           f"{bios_one / hf_one:6.2f}   rounds: " + " ".join(f"{b / h:.2f}" for b, h in zip(bios_rates, hf_rates)))
+    print(f"{f'ceiling: the weight matmuls of a step alone, {floor * 1e3:.0f} ms':<58} {args.requests / floor:9.1f} "
+          f"{'':>10} {args.requests / floor / hf_one:6.2f}")
     print(f"{'HF generate, sequential (reference)':<58} {ref_rate:9.1f} {ref_latency:10.3f} {1.0:6.2f}")
     print(f"{'bios, concurrent requests batched':<58} {rate:9.1f} {'':>10} {rate / ref_rate:6.2f}")
     print(f"{'bios, one request alone (latency ratio)':<58} {'':>9} {latency:10.3f} {latency / ref_latency:6.2f}")

@@ -12,11 +12,19 @@ from typing import Any
 import pytest
 import torch
 from arch_models import build_model, write_model
-from test_tensor_parallel import ADAM, STEPS, _train, assert_close, assert_states_close, logprobs_of, run_workers
+from test_tensor_parallel import (
+    _train,
+    assert_close,
+    assert_states_close,
+    grad_state,
+    logprobs_of,
+    run_workers,
+    train_one_worker,
+)
 
 from bios.types import Datum, LoraConfig, ModelInput, SamplingParams
 from bios.worker.adapter import AdapterState
-from bios.worker.engine import ForwardItem, commit_gradients, discard_gradients, forward_backward, optim_step
+from bios.worker.engine import ForwardItem, discard_gradients, forward_backward
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.sampling import SampleItem, generate
 from bios.worker.sharded_adapter import (
@@ -69,11 +77,6 @@ def samples(model, adapter: AdapterState) -> list[list[int]]:
     return [seq.tokens for response in generate(model, None, items, eos_token_id=None) for seq in response.sequences]
 
 
-def grads_of(adapter: AdapterState) -> dict[str, torch.Tensor]:
-    grads = [factor.grad.clone() for target in adapter.targets for factor in adapter.lora_pair(target.module_name)]
-    return dict(zip(adapter.state_dict(), grads, strict=True))
-
-
 def ep2_work(rank: int, world: int, arch: str, directory) -> dict[str, Any]:
     model = moe_model(arch)
     start = start_state(model)
@@ -84,7 +87,7 @@ def ep2_work(rank: int, world: int, arch: str, directory) -> dict[str, Any]:
     result["logits"] = logits_of(model, adapter)
     [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
     reduce_shared_grads(adapter, info)
-    result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grads_of(adapter))
+    result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grad_state(adapter))
     discard_gradients(adapter)
     result["train"] = _train(model, adapter, info, batch(), None, None)
     result.update(final=gather_full_adapter(adapter, info).state_dict(), samples=samples(model, adapter))
@@ -112,15 +115,10 @@ def reference(arch) -> dict[str, Any]:
     adapter.load_state_dict(start_state(model))
     result["logits"] = logits_of(model, adapter)
     [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
-    result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grads_of(adapter))
+    result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grad_state(adapter))
     discard_gradients(adapter)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
-        commit_gradients(adapter)
-        norms.append(optim_step(adapter, ADAM).metrics["grad_norm:mean"])
-        losses.append(output.metrics["loss:sum"])
-    result.update(train={"losses": losses, "norms": norms}, final=adapter.state_dict(), samples=samples(model, adapter))
+    result.update(train=train_one_worker(model, adapter, batch()), final=adapter.state_dict(),
+                  samples=samples(model, adapter))
     return result
 
 

@@ -230,16 +230,21 @@ def reference() -> dict[str, Any]:
     [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
     result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grad_state(adapter))
     discard_gradients(adapter)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        [output] = forward_backward(model, [ForwardItem(adapter, batch(), "cross_entropy")])
-        commit_gradients(adapter)
-        norms.append(optim_step(adapter, ADAM).metrics["grad_norm:mean"])
-        losses.append(output.metrics["loss:sum"])
-    result.update(train={"losses": losses, "norms": norms}, final=adapter.state_dict(),
+    result.update(train=train_one_worker(model, adapter, batch()), final=adapter.state_dict(),
                   moments=adapter.optimizer_state(), samples=samples(model, adapter))
     result["bf16"] = bf16_pass(model, adapter, None)
     return result
+
+
+def train_one_worker(model, adapter: AdapterState, data: list[Datum]) -> dict[str, list]:
+    """STEPS steps on one unsharded worker, with the engine's own commit and optimizer step."""
+    losses, norms = [], []
+    for _ in range(STEPS):
+        [output] = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])
+        commit_gradients(adapter)
+        norms.append(optim_step(adapter, ADAM).metrics["grad_norm:mean"])
+        losses.append(output.metrics["loss:sum"])
+    return {"losses": losses, "norms": norms}
 
 
 @pytest.fixture(scope="module")
