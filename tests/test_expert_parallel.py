@@ -77,6 +77,20 @@ def samples(model, adapter: AdapterState) -> list[list[int]]:
     return [seq.tokens for response in generate(model, None, items, eos_token_id=None) for seq in response.sequences]
 
 
+def mixed_batch_equals_alone(model, first: AdapterState, second: AdapterState) -> bool:
+    """Two adapters' rows in one batch (each routed to its own experts' LoRA) give what each gives alone."""
+    def logprobs(items: list[tuple[AdapterState, list[Datum]]]) -> list[list[torch.Tensor]]:
+        outputs = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy", forward_only=True)
+                                           for adapter, data in items])
+        return [logprobs_of(output) for output in outputs]
+
+    halves = [(first, batch()[0::2]), (second, batch()[1::2])]
+    together = logprobs(halves)
+    alone = [logprobs([half])[0] for half in halves]
+    return all(torch.allclose(a, b, rtol=0, atol=1e-5) for pair in zip(together, alone, strict=True)
+               for a, b in zip(*pair, strict=True))
+
+
 def ep2_work(rank: int, world: int, arch: str, directory) -> dict[str, Any]:
     model = moe_model(arch)
     start = start_state(model)
@@ -89,6 +103,8 @@ def ep2_work(rank: int, world: int, arch: str, directory) -> dict[str, Any]:
     reduce_shared_grads(adapter, info)
     result.update(loss=output.metrics["loss:sum"], logprobs=logprobs_of(output), grads=grad_state(adapter))
     discard_gradients(adapter)
+    result["mixed"] = mixed_batch_equals_alone(model, adapter, create_sharded_adapter("b", model, LORA, seed=7,
+                                                                                       device="cpu"))
     result["train"] = _train(model, adapter, info, batch(), None, None)
     result.update(final=gather_full_adapter(adapter, info).state_dict(), samples=samples(model, adapter))
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -161,6 +177,7 @@ def test_ep2_starts_computes_and_trains_as_one_worker(ep2, reference):
         assert shard["train"]["norms"] == pytest.approx(reference["train"]["norms"], rel=1e-5)
         assert_states_close(shard["final"], reference["final"], "trained adapter")
         assert shard["samples"] == reference["samples"]
+        assert shard["mixed"], "two adapters in one batch differ from each alone"
     assert_states_close(gather_adapter_state([shard["grads"] for shard in shards], layout), reference["grads"],
                         "gradients")
 
