@@ -211,8 +211,8 @@ def model_shape(name: str) -> ModelShape | None:
     """The shape of base model `name` from its `config.json`, without loading anything or writing a model.
 
     Built-ins come from their catalog entry; other names from the directory they resolve to on this host, with
-    the stored parameter count when the layout is one the planner's arithmetic does not know exactly (any MoE). None when this
-    host does not have the model (a pulled model not pulled yet, a directory only workers see).
+    the stored parameter count when the layout is one the planner's arithmetic does not know exactly (any MoE).
+    None when this host does not have the model (a pulled model not pulled yet, a directory only workers see).
     """
     from bios.models.catalog import BUILTIN_MODELS
     from bios.models.registry import UnknownModelError, _resolve, canonical_name
