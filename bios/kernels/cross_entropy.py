@@ -11,6 +11,8 @@ log-probs (`linear_weighted_loss`, cross-entropy): then every gradient is accumu
 
 import torch
 
+from bios.kernels.grad_wanted import grad_wanted
+
 _LOGITS_PER_CHUNK = 1 << 26  # 256 MiB of fp32 logits at most
 _MAX_ROWS_PER_CHUNK = 512  # enough rows that streaming the [V, H] head through the matmul is not the bottleneck
 
@@ -84,7 +86,7 @@ def _checked_call(hidden, weight, targets, lora_a, lora_b, chunk_size) -> tuple[
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
     trainable = (hidden, weight) + ((lora_a, lora_b) if lora else ())
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in trainable)
+    differentiable = grad_wanted(*trainable)
     return chunk_size or default_chunk_size(weight.shape[0]), differentiable
 
 

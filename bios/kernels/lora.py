@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from bios.kernels.grad_wanted import grad_wanted
+
 
 def lora_linear(
     x: torch.Tensor,
@@ -51,9 +53,9 @@ def lora_linear_multi(
     row_segments = tuple((start * rows_per_item, end * rows_per_item) for start, end in segments)
     factors = [t for pair in zip(lora_as, lora_bs) for t in pair]
     scales = tuple(float(s) for s in scales)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias, *factors)):
+    if grad_wanted(rows, weight, bias, *factors):
         y = _LoraLinear.apply(rows, weight, bias, row_segments, scales, *factors)
-    else:  # sampling, `forward`: the same ops without an autograd Function's ~50 us per call
+    else:  # sampling, `forward`: the same ops without the Function's per-call cost
         y = _lora_linear_forward(rows, weight, bias, row_segments, scales, lora_as, lora_bs)[0]
     return y.reshape(*x.shape[:-1], weight.shape[0])
 

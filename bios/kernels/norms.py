@@ -8,12 +8,14 @@ LlamaRMSNorm rounding (normalise in fp32, cast, then scale by the weight), so sw
 Autograd on `silu(gate) * up` saves gate, up and silu(gate); `swiglu` saves gate and up and recomputes the
 activation in backward.
 
-When no gradient is wanted (sampling, `forward`) both compute the same ops directly: an autograd Function's
-call costs ~50 us on CPU, more than the norm of a decode step's few rows itself (75 vs 28 us for 16 x 576).
+When no gradient is wanted (`grad_wanted`) both compute the same ops directly: the Function's call costs more
+than the norm of a decode step's few rows itself (75 vs 28 us for 16 x 576).
 """
 
 import torch
 import torch.nn.functional as F
+
+from bios.kernels.grad_wanted import grad_wanted
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -24,13 +26,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim, statistics in at least fp32."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
-    if not _wants_grad(x, weight):
+    if not grad_wanted(x, weight):
         return _rms_norm_forward(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)
-
-
-def _wants_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +69,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"swiglu: gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
         )
-    if not _wants_grad(gate, up):
+    if not grad_wanted(gate, up):
         return F.silu(gate).mul_(up)
     return _SwiGLU.apply(gate, up)
 

@@ -99,14 +99,14 @@ def stored_name(name: str, stored: set[str], renamings: list[tuple[str, str]]) -
     return None
 
 
-def read_local_experts(read: Callable[[str], Tensor], stored: set[str], model_type: str, name: str,
-                       first: int, count: int) -> Tensor | None:
+def read_local_experts(read: Callable[[str], Tensor], stored: set[str], model_type: str,
+                       renamings: list[tuple[str, str]], name: str, first: int, count: int) -> Tensor | None:
     """Experts [first, first + count) of 3D parameter `name` from a checkpoint storing one matrix per expert
-    (`read(stored_name)` gives a tensor, `stored` holds every stored name); None when it stores them otherwise."""
+    (`read(stored_name)` gives a tensor, `stored` holds every stored name, `renamings` are
+    `checkpoint_renamings(model_type)`); None when it stores them otherwise."""
     sources = per_expert_reader(model_type, name)
     if sources is None:
         return None
-    renamings = checkpoint_renamings(model_type)
     slices = []
     for expert in range(first, first + count):
         names = [stored_name(pattern.format(expert), stored, renamings) for pattern in sources]

@@ -264,7 +264,7 @@ def load_sharded_model(
             elif info.kinds.get(name.rpartition(".")[0]) == "experts":  # stored one matrix per expert
                 count = tensor.shape[0]
                 value = read_local_experts(lambda key: stored[key].get_tensor(key), names, config.model_type,
-                                           name, info.rank * count, count)
+                                           renamings, name, info.rank * count, count)
                 if value is None:
                     continue
             else:
