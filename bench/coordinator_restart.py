@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=DEFAULT_CHECKPOINT_EVERY)
     args = parser.parse_args()
     resolve_model_dir(args.model)
-    data = make_batch(load_base_model(args.model).info.vocab_size, 4, 128)
+    data = make_batch(load_base_model(args.model).info.vocab_size, [128] * 4)
     print(describe_machine())
     restarts = [restart_seconds(args.model, data) for _ in range(args.rounds)]
     print(f"restart to first completed request: median {statistics.median(r[0] for r in restarts):.2f}s "

@@ -125,7 +125,7 @@ class PeftLoop:
 
 async def training(shape: str, model_dir: Path, args: argparse.Namespace, device: torch.device, peak: float) -> dict:
     vocab = SHAPES[shape]["vocab_size"]
-    data = make_batch(vocab, args.batch, args.seq)
+    data = make_batch(vocab, [args.seq] * args.batch)
     reference = PeftLoop(model_dir, data, args.rank, device)
     for _ in range(2):
         reference.step()

@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     model_dir = write_model(args.shape, args.model_dir, device)
-    data = make_batch(SHAPES[args.shape]["vocab_size"], args.batch, args.seq)
+    data = make_batch(SHAPES[args.shape]["vocab_size"], [args.seq] * args.batch)
     whole = args.batch * args.seq
     peft_loop = PeftLoop(model_dir, data, args.rank, device)
     steps = {"peft": peft_loop.step, "bios": bios_step_fn(model_dir, data, args.rank, device, whole, "1")}

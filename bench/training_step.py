@@ -1,10 +1,13 @@
 """One whole LoRA training step: Bios's engine with `bios.kernels` against stock Transformers + PEFT.
 
     python bench/training_step.py [--model smollm2] [--batch 4] [--seq 128] [--rank 16] [--rounds 7]
-                                  [--memory-runs 3] [--configs peft,bios-stock,bios-fp32,bios]
+                                  [--memory-runs 3] [--configs peft,bios-stock,bios-fp32,bios] [--mixed]
 
 A step is forward, backward of the summed next-token cross-entropy and one AdamW update, on `batch` random
-sequences of `seq` tokens, LoRA of rank `rank` on every linear layer including the output head. Configurations:
+sequences of `seq` tokens (with `--mixed`: of seeded random lengths from `seq`/4 to `seq`, as SFT and RL batches
+are; PEFT pads them to the longest with an attention mask and -100 labels, as a hand-written loop does, and
+Bios packs them), LoRA of rank `rank` on every linear layer including the output head. tokens/s and MFU count
+real tokens only. Configurations:
 
 - `peft` (the reference): `peft.get_peft_model` on the Transformers model, `model(input_ids, labels=...).loss`,
   `loss.backward()`, `torch.optim.AdamW(foreach=True)` (dropout 0, no KV cache);
@@ -75,6 +78,14 @@ def _load(config: str, args: argparse.Namespace):
     return loaded
 
 
+def row_lengths(args: argparse.Namespace) -> list[int]:
+    """Every row `seq` long, or with `--mixed` seeded random lengths in [seq/4, seq]."""
+    if not args.mixed:
+        return [args.seq] * args.batch
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(args.seq // 4, args.seq + 1, (args.batch,), generator=generator).tolist()
+
+
 def _step_fn(config: str, loaded, data: list[types.Datum], rank: int) -> Callable[[], None]:
     """Build the adapter (and optimizer) of `config` on `loaded.model`; return one training step."""
     model = loaded.model
@@ -89,11 +100,13 @@ def _step_fn(config: str, loaded, data: list[types.Datum], rank: int) -> Callabl
         params = [p for p in peft_model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
                                       weight_decay=ADAM.weight_decay, foreach=True)
-        device = _device()
-        ids = torch.tensor([d.model_input.to_ints() for d in data], device=device)
+        rows = [torch.tensor(d.model_input.to_ints()) for d in data]
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(_device())
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(row) for row in rows], batch_first=True).to(ids.device)
+        labels = ids.masked_fill(mask == 0, -100)
 
         def peft_step() -> None:
-            peft_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
 
@@ -119,7 +132,7 @@ def _sync() -> None:
 def measure_memory(config: str, args: argparse.Namespace) -> dict:
     """Peak extra memory of `config` over three steps (the first allocates the optimizer state)."""
     loaded = _load(config, args)
-    data = make_batch(loaded.info.vocab_size, args.batch, args.seq)
+    data = make_batch(loaded.info.vocab_size, row_lengths(args))
     with torch.no_grad():  # page in weights still mapped from the safetensors file, so they are not counted
         for param in loaded.model.parameters():
             param.sum()
@@ -135,7 +148,7 @@ def measure_times(configs: list[str], args: argparse.Namespace) -> dict[str, lis
     steps = {}
     for config in configs:
         loaded = _load(config, args)
-        data = make_batch(loaded.info.vocab_size, args.batch, args.seq)
+        data = make_batch(loaded.info.vocab_size, row_lengths(args))
         steps[config] = _step_fn(config, loaded, data, args.rank)
         steps[config]()  # warm-up
     times: dict[str, list[float]] = {config: [] for config in configs}
@@ -152,6 +165,7 @@ def measure_times(configs: list[str], args: argparse.Namespace) -> dict[str, lis
 def _subprocess(flag: str, payload: object, args: argparse.Namespace) -> dict:
     command = [sys.executable, __file__, flag, json.dumps(payload), "--model", args.model, "--batch",
                str(args.batch), "--seq", str(args.seq), "--rank", str(args.rank), "--rounds", str(args.rounds)]
+    command += ["--mixed"] if args.mixed else []
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"benchmark subprocess {flag} {payload} failed:\n{result.stderr[-3000:]}")
@@ -191,6 +205,7 @@ def main() -> None:
     parser.add_argument("--memory-runs", type=int, default=3, help="fresh subprocesses per configuration's peak")
     parser.add_argument("--configs", default=",".join(CONFIGS[:4]),
                         help=f"comma-separated, the first is the reference; from {', '.join(CONFIGS)}")
+    parser.add_argument("--mixed", action="store_true", help="rows of random lengths from seq/4 to seq")
     parser.add_argument("--memory", help=argparse.SUPPRESS)  # internal: one configuration's memory run
     parser.add_argument("--timing", help=argparse.SUPPRESS)  # internal: every configuration's interleaved steps
     args = parser.parse_args()
@@ -206,7 +221,9 @@ def main() -> None:
         parser.error(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
     resolve_model_dir(args.model)  # pull or write the model once, outside the measurements
     print(describe_machine())
-    print(f"model {args.model}, batch {args.batch}x{args.seq}, LoRA rank {args.rank} on every linear layer and "
+    lengths = row_lengths(args)
+    print(f"model {args.model}, batch {args.batch}x{args.seq}" + (f" (rows of {lengths} tokens)" if args.mixed else "")
+          + f", LoRA rank {args.rank} on every linear layer and "
           f"the head; {args.rounds} interleaved timed steps per configuration, medians")
     print(f"`bios` (the worker's default) stores the frozen base in {default_base_dtype()}", flush=True)
     memory = {
@@ -217,8 +234,8 @@ def main() -> None:
     }
     steps = _subprocess("--timing", configs, args)
     times = {config: statistics.median(values) for config, values in steps.items()}
-    tokens = args.batch * args.seq
-    flops = training_step_flops(load_base_model(args.model).model, [args.seq] * args.batch, args.rank).total
+    tokens = sum(lengths)
+    flops = training_step_flops(load_base_model(args.model).model, lengths, args.rank).total
     peaks = {dtype: gemm_peak(dtype, _device()) for dtype in {matmul_dtype(config) for config in configs}}
     print(f"{flops / 1e9:.0f} GFLOP of matmul per step (bench/flops.py); GEMM peak here, 2048^3 with "
           f"{torch.get_num_threads()} threads: " + ", ".join(f"{str(d).removeprefix('torch.')} {p / 1e9:.0f} GFLOP/s"

@@ -24,13 +24,14 @@ from bios.models import load_base_model, resolve_model_dir
 from bios.worker.adapter import LORA_ALPHA, lora_targets
 
 
-def make_batch(vocab: int, batch: int, seq: int) -> list[types.Datum]:
+def make_batch(vocab: int, lengths: list[int]) -> list[types.Datum]:
+    """Seeded random rows of `lengths` tokens, each predicting its next token."""
     generator = torch.Generator().manual_seed(0)
     data = []
-    for _ in range(batch):
-        tokens = torch.randint(0, vocab, (seq + 1,), generator=generator).tolist()
+    for length in lengths:
+        tokens = torch.randint(0, vocab, (length + 1,), generator=generator).tolist()
         data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]),
-                                {"target_tokens": tokens[1:], "weights": [1.0] * seq}))
+                                {"target_tokens": tokens[1:], "weights": [1.0] * length}))
     return data
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     resolve_model_dir(args.model)  # pull or write the model once, outside the timings
     vocab = load_base_model(args.model).info.vocab_size
-    data = make_batch(vocab, args.batch, args.seq)
+    data = make_batch(vocab, [args.seq] * args.batch)
     reference = peft_steps_per_s(args.model, data, args.rank, args.steps, args.warmup)
     measured = asyncio.run(bios_steps_per_s(args.model, data, args.rank, args.steps, args.warmup, args.depth))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -11,7 +11,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
-from bios.worker.decode_attention import ATTENTION, decode_step_attention, use_decode_attention
+from bios.worker.attention import ATTENTION, use_bios_attention
+from bios.worker.decode_attention import decode_step_attention
 
 
 class _Attention(torch.nn.Module):
@@ -70,7 +71,7 @@ def test_a_bf16_model_decodes_at_least_as_close_to_fp32_as_with_sdpa():
     model = LlamaForCausalLM(config).eval().to(torch.bfloat16)
     model.load_state_dict({key: value.to(torch.bfloat16) for key, value in exact.state_dict().items()})
     exact.load_state_dict({key: value.float() for key, value in model.state_dict().items()})  # the same weights
-    use_decode_attention(model)
+    use_bios_attention(model)
     tokens = list(b"attention that is not uniform at all, over forty tokens")
     truth = _decoded_logprobs(exact, tokens, "sdpa")
     ours = (_decoded_logprobs(model, tokens, ATTENTION) - truth).abs()

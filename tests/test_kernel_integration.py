@@ -24,7 +24,7 @@ import bios
 from bios import types
 from bios.models import load_base_model
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput
-from bios.worker import decode_attention, fused_llama, lora
+from bios.worker import attention, fused_llama, lora
 from bios.worker.adapter import AdapterState
 from bios.worker.checkpoint import export_state
 from bios.worker.compute_mode import BaseDtype, base_dtype, kernels_enabled, native_bf16
@@ -249,9 +249,10 @@ def test_bf16_base_weights_train_like_fp32_and_export_the_same_fp32_adapter(monk
     BIOS_BASE_DTYPE so that every CPU really compares bf16 with fp32 (emulated bf16 on AVX2-only CPUs, where the
     default is fp32); the default itself must resolve to bf16 exactly where `native_bf16` finds the hardware.
 
-    Tolerance: bf16 activations carry ~3 significant digits, so losses agree to 5e-3 relative over ten steps
-    at a learning rate where the loss falls steadily (measured: 1.1e-3 on tiny-llama with avx512_bf16, 1.9e-3
-    on the AVX2 path).
+    Tolerance: bf16 activations carry ~3 significant digits (one pass: 0.0035 nats mean log-prob error, 1.5%
+    gradient error), and ten steps at a learning rate where the loss falls steadily carry that on: losses agree
+    to 1e-2 relative (measured: 5.5e-3 on tiny-llama with avx512_bf16 with these rows packed into one batch
+    row, 1.1e-3 when they were padded, 1.9e-3 on the AVX2 path; the one-pass errors are the same either way).
     """
     runs = {}
     for setting in ("bfloat16", "float32"):
@@ -270,7 +271,7 @@ def test_bf16_base_weights_train_like_fp32_and_export_the_same_fp32_adapter(monk
     (bf16_losses, bf16_state), (fp32_losses, fp32_state) = runs["bfloat16"], runs["float32"]
     assert bf16_losses[-1] < 0.6 * bf16_losses[0]
     assert bf16_losses != fp32_losses  # the bf16 run rounded its activations: not fp32 under another name
-    assert bf16_losses == pytest.approx(fp32_losses, rel=5e-3)
+    assert bf16_losses == pytest.approx(fp32_losses, rel=1e-2)
     for bf16_arrays, fp32_arrays in ((bf16_state.adapter, fp32_state.adapter),
                                      (bf16_state.optimizer, fp32_state.optimizer)):
         assert {k: (v.dtype, v.shape) for k, v in bf16_arrays.items()} == {
@@ -303,7 +304,7 @@ def test_bf16_sampling_logprobs_agree_with_the_bf16_training_forward(monkeypatch
     prompt = list(b"Once upon a time, ")
     params = types.SamplingParams(max_tokens=20, temperature=1.0, seed=5)
     response = generate(model, None, [SampleItem(adapter, prompt, 4, params, True)], eos_token_id=None)[0]
-    assert model.config._attn_implementation == decode_attention.ATTENTION  # decode steps attend in fp32
+    assert model.config._attn_implementation == attention.ATTENTION  # decode steps attend in fp32
     sampled, forward = [], []
     for sequence in [*response.sequences, None]:
         tokens = prompt if sequence is None else prompt + sequence.tokens

@@ -6,9 +6,7 @@ bf16 query row against a 60-110 token cache (SmolLM2: 16 rows, 9 query heads ove
 ~20 ms of a ~95 ms sampling step. `decode_step_attention` does that plain computation for exactly this case
 (one query position, CPU, bf16/fp16, no attention extras) in fp32, as accurate as SDPA's own fp32 accumulation,
 and hands every other call to Transformers' SDPA unchanged: prompts, training, fp32 models and GPUs keep it.
-
-`use_decode_attention(model)` registers it with Transformers' attention interfaces under `ATTENTION` and
-switches a model that uses SDPA to it (idempotent).
+It is the attention function of `attention.ATTENTION`.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import math
 
 import torch
 from torch import Tensor, nn
-
-ATTENTION = "bios_decode_sdpa"
 
 
 def decode_step_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -43,14 +39,3 @@ def decode_step_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
     output = torch.matmul(torch.softmax(scores, dim=-1), value.float())
     return output.reshape(batch, 1, heads, head_dim).to(query.dtype), None
 
-
-def use_decode_attention(model: nn.Module) -> None:
-    """Make `model` (if it runs SDPA) use `decode_step_attention`."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    AttentionInterface.register(ATTENTION, decode_step_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    model.set_attn_implementation(ATTENTION)

@@ -21,9 +21,11 @@ from bios.kernels.adamw import adamw_step
 from bios.kernels.dimuon import DimuonFactor, dimuon_step
 from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
+from bios.worker.attention import use_bios_attention
 from bios.worker.custom_loss import CompiledLoss
 from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
+from bios.worker.packing import attention_pair_cost, pack_rows, packed_sequences
 from bios.worker.vision import ImageReader, RowImages
 from bios.worker.vision_lora import tower_adapters
 
@@ -166,38 +168,27 @@ def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int,
 def _run_pass(
     model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None
 ) -> tuple[list[Tensor], list[float], list[dict[str, float]]]:
-    """One padded forward pass over `rows` (and one backward of their summed loss if `backward`).
+    """One forward pass over `rows` (and one backward of their summed loss if `backward`).
 
-    Right padding with a causal model means real tokens never see the pads, so outputs do not depend on
-    what else shares the batch. Only real positions go through the head.
+    Rows are packed end to end (`packing`) where the model allows, else right-padded: either way a token sees
+    only its own row, so outputs do not depend on what else shares the batch. Only real positions go through
+    the head.
     """
     device = model.get_input_embeddings().weight.device
     lengths = [row.tokens.numel() for row in rows]
     adapters = [row.adapter for row in rows]
-    input_ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):
-        input_ids[i, : lengths[i]] = row.tokens
-        attention_mask[i, : lengths[i]] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     targets = torch.cat([row.targets for row in rows]).to(device)
-    extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
-                                                          [row.images for row in rows])[0]
     with torch.set_grad_enabled(backward):
-        with active_adapters(model, _segments([1] * len(rows), adapters)), \
-                tower_adapters(model, [row.images for row in rows], adapters):
-            hidden = model.base_model(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra
-            ).last_hidden_state
+        packs = reader is None and getattr(model.config, "vision_config", None) is None and use_bios_attention(model)
+        hidden = _packed_hidden(model, rows, device) if packs else _padded_hidden(model, rows, reader, device)
         token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
         head_loss = backward and all(weights is not None for weights in token_weights)
         with active_adapters(model, _segments(lengths, adapters)):
             if head_loss:  # every row's loss is a fixed weighting of its log-probs: the head does it all at once
                 weights = torch.cat(token_weights).to(device)
-                logprobs, total = model.get_output_embeddings()(hidden[attention_mask.bool()], target_ids=targets,
-                                                                 token_weights=weights)
+                logprobs, total = model.get_output_embeddings()(hidden, target_ids=targets, token_weights=weights)
             else:
-                logprobs = target_logprobs(hidden[attention_mask.bool()], model.get_output_embeddings(), targets)
+                logprobs = target_logprobs(hidden, model.get_output_embeddings(), targets)
         per_row = list(torch.split(logprobs, lengths))
         losses, metrics = zip(*(items[row.item].loss(row_logprobs, row.inputs)
                                 for row, row_logprobs in zip(rows, per_row)))
@@ -209,6 +200,37 @@ def _run_pass(
     row_metrics = [{key: float(value.detach()) if isinstance(value, Tensor) else float(value)
                     for key, value in datum_metrics.items()} for datum_metrics in metrics]
     return outputs, stacked.detach().tolist(), row_metrics
+
+
+def _packed_hidden(model: nn.Module, rows: list[_Row], device: torch.device) -> Tensor:
+    """Final hidden states `[sum of row lengths, H]` of `rows` packed end to end, rows of one adapter together."""
+    adapters = [row.adapter for row in rows]
+    packed = pack_rows([row.tokens for row in rows], [id(adapter) for adapter in adapters],
+                       attention_pair_cost(model.config))
+    with active_adapters(model, _segments([1] * len(packed.owners), [adapters[i] for i in packed.owners])), \
+            packed_sequences(packed):
+        return packed.gather(model.base_model(input_ids=packed.input_ids.to(device),
+                                              position_ids=packed.position_ids.to(device),
+                                              use_cache=False).last_hidden_state)
+
+
+def _padded_hidden(model: nn.Module, rows: list[_Row], reader: ImageReader | None, device: torch.device) -> Tensor:
+    """Final hidden states `[sum of row lengths, H]` of `rows` right-padded to the longest: with a causal model
+    real tokens never see the pads. The way for models that take images or cannot read packed positions."""
+    lengths = [row.tokens.numel() for row in rows]
+    input_ids = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, : lengths[i]] = row.tokens
+        attention_mask[i, : lengths[i]] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
+                                                          [row.images for row in rows])[0]
+    with active_adapters(model, _segments([1] * len(rows), [row.adapter for row in rows])), \
+            tower_adapters(model, [row.images for row in rows], [row.adapter for row in rows]):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                  **extra).last_hidden_state
+    return hidden[attention_mask.bool()]
 
 
 def forward_backward(

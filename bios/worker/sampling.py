@@ -32,7 +32,7 @@ from bios import spec
 from bios.exceptions import BadRequestError
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
-from bios.worker.decode_attention import use_decode_attention
+from bios.worker.attention import use_bios_attention
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
@@ -156,7 +156,7 @@ def generate(
                 raise
             raise BadRequestError(f"sample request {index}: {error.message}", field=error.field) from None
     attach_lora(model)
-    use_decode_attention(model)
+    use_bios_attention(model)
     with torch.inference_mode():
         return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images)
 

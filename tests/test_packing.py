@@ -1,0 +1,107 @@
+"""Rows of a training pass packed end to end (bios.worker.packing): a row's log-probs, loss and gradients are
+what it gets alone, on every architecture, and packing really happens where the model's attention allows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from arch_models import CONFIGS, build_model
+from transformers import AutoModelForCausalLM, BioGptConfig, MistralConfig
+
+from bios.models.catalog import BUILTIN_VOCAB_SIZE
+from bios.types import Datum, LoraConfig, ModelInput
+from bios.worker.adapter import AdapterState
+from bios.worker.engine import ForwardItem, forward_backward
+from bios.worker.lora import attach_lora
+from bios.worker.packing import pack_rows
+
+# Rows of 21, 6 and 13 tokens (as inputs) under one adapter and of 4 and 19 under another: five rows that pack
+# into four batch rows (13 + 6 share one) or fewer (a batch row up to twice the longest, where attention is cheap).
+_TEXTS = [[b"a row of twenty-one by", b"seven t", b"fourteen toke"], [b"four5", b"another row of 19 ch"]]
+
+
+def _datum(text: bytes) -> Datum:
+    tokens = list(text)
+    return Datum(ModelInput.from_ints(tokens[:-1]),
+                 {"target_tokens": tokens[1:], "weights": [1.0 + i % 3 for i in range(len(tokens) - 1)]})
+
+
+def _adapters(model) -> list[AdapterState]:
+    adapters = [AdapterState.create(f"run{i}", model, LoraConfig(rank=4, seed=i), device="cpu") for i in range(2)]
+    for i, adapter in enumerate(adapters):
+        with torch.no_grad():
+            adapter.params.add_(0.1 * torch.randn(adapter.params.shape, generator=torch.Generator().manual_seed(i)))
+    return adapters
+
+
+def _batch_rows(model) -> list[int]:
+    """How many batch rows each base-model pass of `model` runs (recorded on the embedding)."""
+    seen: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    return seen
+
+
+def _together_equals_alone(model, loss_fn: str = "cross_entropy") -> list[int]:
+    """Run `_TEXTS` in one call, then each datum alone; the batch rows of the call's passes."""
+    attach_lora(model)
+    adapters = _adapters(model)
+    data = [[_datum(text) for text in texts] for texts in _TEXTS]
+    passes = _batch_rows(model)
+    together = forward_backward(model, [ForwardItem(a, d, loss_fn) for a, d in zip(adapters, data)])
+    batch_rows = list(passes)
+    grads = [adapter.pending_grad.clone() for adapter in adapters]
+    for adapter, datums, outputs, grad in zip(adapters, data, together, grads):
+        adapter.pending_grad.zero_()
+        for datum, output in zip(datums, outputs.loss_fn_outputs):
+            alone = forward_backward(model, [ForwardItem(adapter, [datum], loss_fn)])[0]
+            torch.testing.assert_close(output["logprobs"].to_torch(), alone.loss_fn_outputs[0]["logprobs"].to_torch(),
+                                       rtol=1e-5, atol=1e-5)
+        assert float(grad.abs().max()) > 0
+        torch.testing.assert_close(adapter.pending_grad, grad, rtol=0, atol=1e-5 * float(grad.abs().max()))
+    return batch_rows
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_a_packed_row_gets_what_it_gets_alone(arch):
+    batch_rows = _together_equals_alone(build_model(arch))
+    if arch == "gpt_oss":  # eager attention with sinks: its mask is not Bios's, so rows are padded
+        assert batch_rows == [5]
+    else:
+        assert len(batch_rows) == 1 and batch_rows[0] <= 4
+
+
+def test_a_sliding_window_model_packs_with_its_window():
+    """Mistral builds its mask without position ids: the window and the row boundaries both hold."""
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+                           max_position_embeddings=128, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert _together_equals_alone(model)[0] <= 4
+
+
+def test_a_model_that_builds_its_mask_without_position_ids_still_keeps_packed_rows_apart():
+    """BioGPT does not hand position ids to Transformers' mask builder: Bios's mask keeps the rows apart."""
+    torch.manual_seed(0)
+    config = BioGptConfig(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, activation_dropout=0.0, layerdrop=0.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert _together_equals_alone(model)[0] <= 4
+
+
+def test_pack_rows_fills_rows_no_longer_than_the_longest_one_adapter_each():
+    tokens = [torch.arange(n) + 100 * n for n in (5, 9, 3, 4, 2)]
+    packed = pack_rows(tokens, ["a", "a", "a", "b", "a"], pair_cost=1.0)  # attention dear: no longer than 9
+    assert packed.input_ids.shape == (4, 9)  # first fit decreasing: a [9] [5 + 3] [2], then b [4]
+    flat = packed.input_ids.reshape(-1)
+    for row, start in zip(tokens, torch.cumsum(torch.tensor([0] + [t.numel() for t in tokens]), 0)):
+        assert torch.equal(flat[packed.token_index[start:start + row.numel()]], row)
+    assert [packed.input_ids[b, 0].item() // 100 for b in range(4)] == [9, 5, 2, 4]
+    assert packed.owners == [1, 0, 4, 3]
+    assert packed.position_ids[1].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0]
+    assert packed.sequence_ids[1].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2]
+    assert pack_rows([torch.arange(4), torch.arange(4)], [0, 1]).sequence_ids is None  # nothing to mask
+    cheap = pack_rows(tokens, ["a"] * 5)  # attention free: fewest positions, all 23 tokens in one batch row
+    assert cheap.input_ids.shape == (1, 23) and cheap.sequence_ids[0, -1] == 4
+    assert pack_rows(tokens, ["a"] * 5, pair_cost=0.1).input_ids.shape == (3, 9)
