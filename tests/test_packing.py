@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_models import CONFIGS, build_model
-from transformers import AutoModelForCausalLM, BioGptConfig, MistralConfig
+from transformers import AutoModelForCausalLM, BioGptConfig, MistralConfig, OPTConfig
 
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.types import Datum, LoraConfig, ModelInput
@@ -86,6 +86,15 @@ def test_a_model_that_builds_its_mask_without_position_ids_still_keeps_packed_ro
     config = BioGptConfig(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=128, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, activation_dropout=0.0, layerdrop=0.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert _together_equals_alone(model)[0] <= 4
+
+
+def test_opt_flattens_tokens_before_its_mlp_and_each_row_still_gets_its_adapter():
+    """OPT's fc1/fc2 see `[batch x tokens, in]`: LoRA segments over batch rows are scaled to its tokens."""
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     assert _together_equals_alone(model)[0] <= 4
 

@@ -10,22 +10,24 @@ on (the default) both run `bios.kernels` ops, with it off the same arithmetic th
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
-from bios.worker.lora_experts import ExpertSlot, attach_experts, record_rows_per_item
+from bios.worker.lora_experts import ExpertSlot, LoraExperts, attach_experts
 from bios.worker.targets import all_targets
 
 _ATTACHED_FLAG = "_bios_lora_modules"
@@ -44,14 +46,21 @@ class LoraSegment:
     scale: float
 
 
-def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment]) -> Tensor:
+def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment],
+                 rows_per_item: int | None = None) -> Tensor:
     """`x Wᵀ + b` plus, on each segment's rows of dim 0, that segment's LoRA update.
+
+    A decoder layer that flattens `[batch, tokens, in]` to `[batch x tokens, in]` before a linear layer (OPT's
+    fc1/fc2) hands it 2-D rows: `rows_per_item` (the layer's tokens per batch row) scales the segments.
 
     The update is added in place onto the base output, so besides the base matmul only `x` and the small
     `x Aᵀ` are kept for backward (no dropout: it would force an activation-sized copy of `x`). Several
     adapters loop over their row ranges rather than gathering a weight copy per row. With kernels on,
     `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries.
     """
+    if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
+        segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
+                    for segment in segments]
     if segments and kernels_enabled():
         return lora_linear_multi(
             x,
@@ -138,6 +147,7 @@ class LoraLinear(nn.Linear):
     """An `nn.Linear` that also applies the LoRA segments `active_adapters` set on it (none: plain linear)."""
 
     lora_segments: list[LoraSegment]
+    bios_rows_per_item: int | None = None  # set by `_record_rows_per_item` inside decoder layers
 
     def forward(self, x: Tensor, target_ids: Tensor | None = None, token_weights: Tensor | None = None):
         """Outputs [..., out]; given `target_ids` [T] for x [T, in] (an output head), only the log-prob of
@@ -148,7 +158,7 @@ class LoraLinear(nn.Linear):
             return lora_target_loss(x, self.weight, self.bias, self.lora_segments, target_ids, token_weights)
         if target_ids is not None:
             return lora_target_logprobs(x, self.weight, self.bias, self.lora_segments, target_ids)
-        return lora_forward(x, self.weight, self.bias, self.lora_segments)
+        return lora_forward(x, self.weight, self.bias, self.lora_segments, self.bios_rows_per_item)
 
 
 LoraLinear.bios_lora_base = nn.Linear  # what `bios.worker.targets` sees it as
@@ -159,9 +169,10 @@ class LoraConv1D(Conv1D):
 
     bios_lora_base = Conv1D
     lora_segments: list[LoraSegment]
+    bios_rows_per_item: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return lora_forward(x, self.weight.T, self.bias, self.lora_segments)
+        return lora_forward(x, self.weight.T, self.bias, self.lora_segments, self.bios_rows_per_item)
 
 
 LoraHolder = LoraLinear | LoraConv1D | ExpertSlot
@@ -175,6 +186,25 @@ def lora_holders(module: nn.Module) -> list[LoraHolder]:
             holders.append(child)
         holders.extend(getattr(child, "lora_slots", {}).values())
     return holders
+
+
+def _record_rows_per_item(model: nn.Module) -> None:
+    """Hook every decoder layer holding LoRA layers or experts so they learn how many tokens one batch row has:
+    segments are over batch rows, and experts (and layers like OPT's fc1) see the tokens flattened."""
+    for layer in model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_bios_rows_hook", False):
+            continue
+        holders = [module for module in layer.modules() if isinstance(module, (LoraLinear, LoraConv1D, LoraExperts))]
+        if not holders:
+            continue
+
+        def record(_layer, args, kwargs, _holders=holders):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            for module in _holders:
+                module.bios_rows_per_item = math.prod(hidden.shape[1:-1])
+
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+        layer._bios_rows_hook = True
 
 
 def attach_lora(model: nn.Module) -> None:
@@ -204,7 +234,7 @@ def attach_lora(model: nn.Module) -> None:
         module.__class__ = LoraConv1D if target.kind == "conv1d" else LoraLinear
         module.lora_segments = []
         wrapped[target.module_name] = module
-    record_rows_per_item(model)
+    _record_rows_per_item(model)
     fuse_llama_modules(model)
     weights = model.get_input_embeddings().weight
     choice = base_dtype(weights.device)

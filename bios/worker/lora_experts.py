@@ -22,12 +22,10 @@ and such a module always runs this computation, adapters or not (not every stock
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from bios.kernels.expert_lora import (
     ExpertFactors,
@@ -82,24 +80,6 @@ def attach_experts(model: nn.Module, module_name: str) -> dict[str, ExpertSlot]:
         module.bios_rows_per_item = None
         module.bios_local_experts = None
     return module.lora_slots
-
-
-def record_rows_per_item(model: nn.Module) -> None:
-    """Hook every decoder layer holding experts so they learn how many tokens one input row has."""
-    for layer in model.modules():
-        if not isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_bios_rows_hook", False):
-            continue
-        experts = [module for module in layer.modules() if isinstance(module, LoraExperts)]
-        if not experts:
-            continue
-
-        def record(_layer, args, kwargs, _experts=experts):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            for module in _experts:
-                module.bios_rows_per_item = math.prod(hidden.shape[1:-1])
-
-        layer.register_forward_pre_hook(record, with_kwargs=True)
-        layer._bios_rows_hook = True
 
 
 def _blocks(module: LoraExperts) -> list[tuple[int, int, dict[str, LoraSegment]]]:
