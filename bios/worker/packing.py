@@ -12,6 +12,7 @@ Rows of different adapters never share a batch row: LoRA layers apply an adapter
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,9 +44,10 @@ def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: f
     """Pack 1-D token tensors into batch rows, rows of equal `groups` entries only; groups keep their order of
     first appearance, so batch rows of one group are consecutive (as the LoRA segments over batch rows want).
 
-    A batch row holds up to k times the longest row (first-fit decreasing), k = 1 to 4, whichever costs least:
-    `batch_rows x length x (1 + pair_cost x length)`, where `pair_cost` is one attended token pair's cost in
-    tokens' worth of the rest of the model (`attention_pair_cost`). Never more positions than padding."""
+    A batch row holds up to a capacity of 1 to 4 times the longest row in eighths (best-fit decreasing), whichever
+    costs least: `batch_rows x length x (1 + pair_cost x length)`, where `pair_cost` is one attended token
+    pair's cost in tokens' worth of the rest of the model (`attention_pair_cost`). Never more positions than
+    padding."""
     lengths = [row.numel() for row in tokens]
     members_of: dict[Hashable, list[int]] = {}
     for index, group in enumerate(groups):
@@ -55,7 +57,7 @@ def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: f
     def length_of(bins: list[list[int]]) -> int:
         return max(sum(lengths[i] for i in members) for members in bins)
 
-    candidates = [_first_fit(members_of.values(), lengths, k * longest) for k in range(1, 5)]
+    candidates = [_best_fit(members_of.values(), lengths, longest + step * longest // 8) for step in range(25)]
     bins = min((bins for bins in candidates if len(bins) * length_of(bins) <= len(lengths) * longest),
                key=lambda bins: len(bins) * length_of(bins) * (1 + pair_cost * length_of(bins)))
     length = length_of(bins)
@@ -80,21 +82,21 @@ def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: f
                        [members[0] for members in bins])
 
 
-def _first_fit(groups: Iterable[list[int]], lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing of each group's rows into bins of `capacity` tokens, groups one after another."""
+def _best_fit(groups: Iterable[list[int]], lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing of each group's rows into bins of `capacity` tokens, groups one after another: each
+    row, longest first, goes to the fullest bin it fits in."""
     bins: list[list[int]] = []
     for members in groups:
-        group_bins: list[list[int]] = []
-        free: list[int] = []
+        rooms: list[tuple[int, int]] = []  # (room left, bin index), sorted
         for index in sorted(members, key=lambda i: -lengths[i]):
-            slot = next((b for b, room in enumerate(free) if room >= lengths[index]), None)
-            if slot is None:
-                group_bins.append([])
-                free.append(capacity)
-                slot = len(group_bins) - 1
-            group_bins[slot].append(index)
-            free[slot] -= lengths[index]
-        bins.extend(group_bins)
+            at = bisect.bisect_left(rooms, (lengths[index], -1))
+            if at == len(rooms):
+                bins.append([])
+                room, slot = capacity, len(bins) - 1
+            else:
+                room, slot = rooms.pop(at)
+            bins[slot].append(index)
+            bisect.insort(rooms, (room - lengths[index], slot))
     return bins
 
 
