@@ -17,7 +17,9 @@ real tokens only. Configurations:
 - `bios`: the worker's defaults: `bios.kernels`, `BIOS_BASE_DTYPE` unset, so the frozen base weights (and
   activations) are bf16 where the hardware multiplies bf16 natively and fp32 elsewhere (printed in the
   header); LoRA factors, gradients and optimizer state are fp32 either way;
-- `peft-bf16`: the model loaded in bf16 (PEFT keeps its adapter in fp32 too, `autocast_adapter_dtype`).
+- `peft-bf16`: the model loaded in bf16 (PEFT keeps its adapter in fp32 too, `autocast_adapter_dtype`);
+- `bios-fp32-padded`, `bios-padded`: `bios-fp32` and `bios` with `BIOS_PACKING=0` (rows padded to the
+  longest, as before packing): with `--mixed`, what packing gains in the same run.
 
 Peak memory: each configuration runs three steps in a fresh subprocess, `--memory-runs` times (median); peak
 extra = RSS high-water mark (reset through `/proc/self/clear_refs`) above the RSS once the base model (its
@@ -54,7 +56,7 @@ from machine import describe_machine  # noqa: E402
 from peak_memory import PeakMemory  # noqa: E402
 from training_throughput import make_batch  # noqa: E402
 
-CONFIGS = ("peft", "bios-stock", "bios-fp32", "bios", "peft-bf16")
+CONFIGS = ("peft", "bios-stock", "bios-fp32", "bios", "peft-bf16", "bios-fp32-padded", "bios-padded")
 TARGETS = {"bios": {"tokens/s": 1.25, "memory": 0.6}}  # tokens/s at least, memory at most, x peft
 ADAM = types.AdamParams(learning_rate=1e-4)
 
@@ -70,7 +72,7 @@ def _load(config: str, args: argparse.Namespace):
         dtype = torch.bfloat16 if config.endswith("-bf16") else torch.float32
         return load_base_model(args.model, device=_device(), dtype=dtype)
     loaded = load_base_model(args.model, device=_device())
-    if config == "bios":
+    if config.removesuffix("-padded") == "bios":
         os.environ.pop("BIOS_BASE_DTYPE", None)
     else:
         os.environ["BIOS_BASE_DTYPE"] = "float32"
@@ -114,9 +116,11 @@ def _step_fn(config: str, loaded, data: list[types.Datum], rank: int) -> Callabl
 
     adapter = AdapterState.create("bench", model, lora, device=_device())
     kernels = "0" if config == "bios-stock" else "1"
+    packing = "0" if config.endswith("-padded") else "1"
 
     def bios_step() -> None:
         os.environ["BIOS_KERNELS"] = kernels
+        os.environ["BIOS_PACKING"] = packing
         forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])
         commit_gradients(adapter)
         optim_step(adapter, ADAM)
@@ -185,7 +189,7 @@ def default_base_dtype() -> str:
 
 def matmul_dtype(config: str) -> torch.dtype:
     """The dtype a configuration's frozen matmuls run in, whose GEMM peak its MFU is taken against."""
-    if config == "bios":
+    if config.removesuffix("-padded") == "bios":
         saved = os.environ.pop("BIOS_BASE_DTYPE", None)
         try:
             return base_dtype(_device()).dtype or torch.float32

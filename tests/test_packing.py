@@ -70,6 +70,11 @@ def test_a_packed_row_gets_what_it_gets_alone(arch):
         assert len(batch_rows) == 1 and batch_rows[0] <= 4
 
 
+def test_bios_packing_0_pads_with_the_same_results(monkeypatch):
+    monkeypatch.setenv("BIOS_PACKING", "0")
+    assert _together_equals_alone(build_model("llama")) == [5]
+
+
 def test_a_sliding_window_model_packs_with_its_window():
     """Mistral builds its mask without position ids: the window and the row boundaries both hold."""
     torch.manual_seed(0)

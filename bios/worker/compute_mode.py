@@ -1,8 +1,10 @@
-"""How the worker computes, read from the environment: fused kernels (`BIOS_KERNELS`) and the dtype of the
-frozen base weights (`BIOS_BASE_DTYPE`).
+"""How the worker computes, read from the environment: fused kernels (`BIOS_KERNELS`), packed training rows
+(`BIOS_PACKING`) and the dtype of the frozen base weights (`BIOS_BASE_DTYPE`).
 
 `BIOS_KERNELS` (default on) decides at every call whether the worker's layers run `bios.kernels` or the
-stock Transformers/PyTorch ops; it is read per call rather than once so one process can compare both paths.
+stock Transformers/PyTorch ops; `BIOS_PACKING` (default on) whether a training pass packs its rows end to end
+(`bios.worker.packing`) or pads them to the longest. Both are read per call rather than once so one process
+can compare both paths.
 
 `BIOS_BASE_DTYPE` is read when a base model is prepared (`attach_lora`). `float32` or `bfloat16` stores the
 frozen base weights (and so the activations) in that dtype; adapters, their gradients and the optimizer stay
@@ -25,14 +27,23 @@ _BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
 
 
-def kernels_enabled() -> bool:
-    """Whether `BIOS_KERNELS` (unset: on) asks for the fused kernels; ValueError on a value that is neither."""
-    value = os.environ.get("BIOS_KERNELS", "").strip().lower()
+def _switch(name: str, on: str, off: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
     if value in _ON:
         return True
     if value in _OFF:
         return False
-    raise ValueError(f"BIOS_KERNELS must be 1 (fused kernels, the default) or 0 (stock PyTorch ops), got {value!r}")
+    raise ValueError(f"{name} must be 1 ({on}, the default) or 0 ({off}), got {value!r}")
+
+
+def kernels_enabled() -> bool:
+    """Whether `BIOS_KERNELS` (unset: on) asks for the fused kernels; ValueError on a value that is neither."""
+    return _switch("BIOS_KERNELS", "fused kernels", "stock PyTorch ops")
+
+
+def packing_enabled() -> bool:
+    """Whether `BIOS_PACKING` (unset: on) asks for packed training rows; ValueError on a value that is neither."""
+    return _switch("BIOS_PACKING", "rows packed end to end", "rows padded to the longest")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from bios.kernels.dimuon import DimuonFactor, dimuon_step
 from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
+from bios.worker.compute_mode import packing_enabled
 from bios.worker.custom_loss import CompiledLoss
 from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
@@ -179,7 +180,8 @@ def _run_pass(
     adapters = [row.adapter for row in rows]
     targets = torch.cat([row.targets for row in rows]).to(device)
     with torch.set_grad_enabled(backward):
-        packs = reader is None and getattr(model.config, "vision_config", None) is None and use_bios_attention(model)
+        packs = (packing_enabled() and reader is None and getattr(model.config, "vision_config", None) is None
+                 and use_bios_attention(model))
         hidden = _packed_hidden(model, rows, device) if packs else _padded_hidden(model, rows, reader, device)
         token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
         head_loss = backward and all(weights is not None for weights in token_weights)
