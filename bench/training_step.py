@@ -245,7 +245,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads: " + ", ".join(f"{str(d).removeprefix('torch.')} {p / 1e9:.0f} GFLOP/s"
                                                           for d, p in peaks.items()))
     reference = configs[0]
-    print(f"\n{'config':<11} {'median step':>11} {'(min-max)':>13} {'tokens/s':>9} {'x ' + reference:>8} "
+    print(f"\n{'config':<16} {'median step':>11} {'(min-max)':>13} {'tokens/s':>9} {'x ' + reference:>8} "
           f"{'MFU':>5} {'peak extra':>11} {'x ' + reference:>8}  target")
     for config in configs:
         ratios = {"tokens/s": times[reference] / times[config], "memory": memory[config] / memory[reference]}
@@ -255,7 +255,7 @@ def main() -> None:
             verdicts.append(f"{metric} {'>=' if metric == 'tokens/s' else '<='}{limit}x {'met' if met else 'MISSED'}")
         spread = f"({min(steps[config]):.2f}-{max(steps[config]):.2f})"
         mfu = flops / times[config] / peaks[matmul_dtype(config)]
-        print(f"{config:<11} {times[config]:>10.2f}s {spread:>13} {tokens / times[config]:>9.0f} "
+        print(f"{config:<16} {times[config]:>10.2f}s {spread:>13} {tokens / times[config]:>9.0f} "
               f"{ratios['tokens/s']:>7.2f}x {mfu:>5.0%} {memory[config]:>7.0f} MiB {ratios['memory']:>7.2f}x  "
               f"{', '.join(verdicts)}")
     print(f"\n(after the run) {describe_machine()}")
