@@ -250,11 +250,14 @@ def attach_lora(model: nn.Module) -> None:
 
 
 @contextmanager
-def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterState]]) -> Iterator[None]:
+def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterState]], *,
+                    factor_dtype: torch.dtype | None = None) -> Iterator[None]:
     """Within the block, rows [start, end) of every layer input (dim 0) use that adapter; other rows the base.
 
     Segments must not overlap. Each adapter must have been created for this model (its targets are LoRA
-    layers of it). The previous segments are restored on exit, so blocks nest.
+    layers of it). The previous segments are restored on exit, so blocks nest. `factor_dtype` hands the layers
+    copies of the factors in that dtype, cast once for the block instead of at every call: for sampling, where
+    no gradient flows back to them.
     """
     wrapped: dict[str, LoraHolder] | None = getattr(model, _ATTACHED_FLAG, None)
     if wrapped is None:
@@ -278,7 +281,8 @@ def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterStat
     try:
         for name, module in wrapped.items():
             module.lora_segments = [
-                LoraSegment(start, end, *adapter.lora_pair(name), adapter.scale)
+                LoraSegment(start, end, *(factor.to(factor_dtype or factor.dtype) for factor in adapter.lora_pair(name)),
+                            adapter.scale)
                 for start, end, adapter in ordered
                 if adapter.has_target(name)
             ]
