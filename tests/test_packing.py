@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from arch_models import CONFIGS, build_model
-from transformers import AutoModelForCausalLM, BioGptConfig, MistralConfig, OPTConfig
+from transformers import AutoConfig, AutoModelForCausalLM, BioGptConfig, OPTConfig
 
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.types import Datum, LoraConfig, ModelInput
@@ -75,12 +75,18 @@ def test_bios_packing_0_pads_with_the_same_results(monkeypatch):
     assert _together_equals_alone(build_model("llama")) == [5]
 
 
-def test_a_sliding_window_model_packs_with_its_window():
-    """Mistral builds its mask without position ids: the window and the row boundaries both hold."""
+_SMALL = dict(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("mistral", dict(sliding_window=5)),  # every layer windowed
+    ("gemma3_text", dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+])
+def test_a_sliding_window_model_packs_with_its_window(model_type, fields):
+    """Windows of a few tokens, in every layer or every other one: windows and row boundaries both hold."""
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
-                           max_position_embeddings=128, initializer_range=0.1)
+    config = AutoConfig.for_model(model_type, **_SMALL, **fields, initializer_range=0.1)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert _together_equals_alone(model)[0] <= 4
 
