@@ -13,7 +13,7 @@ from bios.types import Datum, LoraConfig, ModelInput
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
-from bios.worker.packing import pack_rows
+from bios.worker.packing import attention_pair_cost, pack_rows
 
 # Rows of 21, 6 and 13 tokens (as inputs) under one adapter and of 4 and 19 under another: five rows that pack
 # into four batch rows (13 + 6 share one) or fewer (a batch row up to twice the longest, where attention is cheap).
@@ -125,3 +125,16 @@ def test_pack_rows_fills_short_batch_rows_one_adapter_each():
     assert cheap.input_ids.shape == (1, 23) and cheap.sequence_ids[0, -1] == 4
     # between: 3 x 9 positions ([9] [5 + 4] [3 + 2]) cost less than 1 x 23 or 2 x 12
     assert pack_rows(tokens, ["a"] * 5, pair_cost=0.1).input_ids.shape == (3, 9)
+
+
+def test_attention_pair_cost_weighs_attention_against_the_linear_layers():
+    llama_7b = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                                    num_key_value_heads=8)
+    # one pair: 4 x 4096 FLOPs; one token through a layer: 2 x (4096 x (2 x 4096 + 2 x 1024) + 3 x 4096 x 11008)
+    assert attention_pair_cost(llama_7b) == pytest.approx(4 * 4096 / (2 * 4096 * (10240 + 33024)))
+
+    class Opaque:  # a config without the fields: attention counted dear
+        def get_text_config(self):
+            return self
+
+    assert attention_pair_cost(Opaque()) == 1.0

@@ -102,11 +102,13 @@ def _best_fit(groups: Iterable[list[int]], lengths: list[int], capacity: int) ->
 
 def attention_pair_cost(config) -> float:
     """One attended (query, key) pair's matmul FLOPs over a token's through the decoder's linear layers, from a
-    Llama-style config: 4 x layers x query width over 2 x (attention + MLP weights). Used to weigh longer packed
-    rows (their attention) against fewer positions."""
+    Llama-style config: 4 x query width over 2 x one layer's attention and MLP weights. Used to weigh longer
+    packed rows (their attention) against fewer positions; a config without those fields gets 1 (attention
+    dear: batch rows stay near the longest row's length)."""
     text = config.get_text_config()
-    hidden = text.hidden_size
-    heads = text.num_attention_heads
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if not hidden or not heads:
+        return 1.0
     width = heads * (getattr(text, "head_dim", None) or hidden // heads)
     kv_width = (getattr(text, "num_key_value_heads", None) or heads) * width // heads
     intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
