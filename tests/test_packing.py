@@ -82,11 +82,15 @@ _SMALL = dict(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=6
 @pytest.mark.parametrize("model_type, fields", [
     ("mistral", dict(sliding_window=5)),  # every layer windowed
     ("gemma3_text", dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    ("starcoder2", dict(sliding_window=4)),
+    ("gpt_neox", {}), ("phi", {}), ("stablelm", dict(num_key_value_heads=4)), ("cohere", {}),
 ])
-def test_a_sliding_window_model_packs_with_its_window(model_type, fields):
-    """Windows of a few tokens, in every layer or every other one: windows and row boundaries both hold."""
+def test_more_architectures_pack_with_their_windows(model_type, fields):
+    """More layouts (windows of a few tokens in every layer or some, partial rotary, parallel blocks):
+    windows and row boundaries both hold."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **_SMALL, **fields, initializer_range=0.1)
+    config = AutoConfig.for_model(model_type, **{**_SMALL, **fields}, initializer_range=0.1)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert _together_equals_alone(model)[0] <= 4
 
