@@ -48,6 +48,16 @@ def test_prompts_and_fp32_run_sdpa_itself(queries, dtype):
     assert torch.equal(ours, theirs)
 
 
+def test_values_narrower_than_keys_come_out_at_their_own_width():
+    """MLA (DeepSeek-V3: keys 192 wide, values 128) decodes without padding its values."""
+    query, key, value = _qkv(1, torch.bfloat16)
+    value = value[..., :24]
+    ours, _ = decode_step_attention(_Attention(), query, key, value, None)
+    exact = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), enable_gqa=True).transpose(1, 2)
+    assert ours.shape == (4, 1, 9, 24)
+    torch.testing.assert_close(ours.float(), exact, rtol=0, atol=2e-2)
+
+
 def _decoded_logprobs(model, tokens: list[int], attention: str) -> torch.Tensor:
     """log p(tokens[i + 1] | tokens[: i + 1]) for i >= 3, decoding one token per step after a 4-token prompt."""
     model.set_attn_implementation(attention)

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 def decode_step_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[Tensor, None]:
-    """Transformers' attention function signature: query [B, Hq, 1, D], key/value [B, Hkv, L, D] -> [B, 1, Hq, D]."""
+    """Transformers' attention function signature: query [B, Hq, 1, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv]
+    -> [B, 1, Hq, Dv] (MLA's values are narrower than its queries and keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     extras = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "position_bias", "sinks"))
@@ -37,5 +38,5 @@ def decode_step_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
         mask = attention_mask[:, :, :, : key.shape[2]]
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
     output = torch.matmul(torch.softmax(scores, dim=-1), value.float())
-    return output.reshape(batch, 1, heads, head_dim).to(query.dtype), None
+    return output.reshape(batch, 1, heads, value.shape[-1]).to(query.dtype), None
 
