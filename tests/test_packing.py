@@ -85,6 +85,9 @@ _SMALL = dict(vocab_size=BUILTIN_VOCAB_SIZE, hidden_size=32, intermediate_size=6
     ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     ("starcoder2", dict(sliding_window=4)),
     ("gpt_neox", {}), ("phi", {}), ("stablelm", dict(num_key_value_heads=4)), ("cohere", {}),
+    # its shared expert sees the tokens flattened, [batch x tokens, in], like OPT's MLP
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32)),
 ])
 def test_more_architectures_pack_with_their_windows(model_type, fields):
     """More layouts (windows of a few tokens in every layer or some, partial rotary, parallel blocks):
