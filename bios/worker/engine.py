@@ -228,8 +228,9 @@ def _padded_hidden(model: nn.Module, rows: list[_Row], reader: ImageReader | Non
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
                                                           [row.images for row in rows])[0]
-    with active_adapters(model, _segments([1] * len(rows), [row.adapter for row in rows])), \
-            tower_adapters(model, [row.images for row in rows], [row.adapter for row in rows]):
+    adapters = [row.adapter for row in rows]
+    with active_adapters(model, _segments([1] * len(rows), adapters)), \
+            tower_adapters(model, [row.images for row in rows], adapters):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                   **extra).last_hidden_state
     return hidden[attention_mask.bool()]

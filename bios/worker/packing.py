@@ -5,9 +5,10 @@ Padding a batch to its longest row spends the frozen matmuls, the LoRA products 
 each with position ids counting from 0, and narrows the attention mask so a token sees only the tokens of its
 own row (`packed_sdpa_mask`, the mask of `attention.ATTENTION`): it then computes what it would alone.
 
-A packed batch row holds at most as many tokens as the longest row (first-fit decreasing), so it is never longer
-than the padded pass and attention costs no more; its unused tail is one more sequence whose outputs are dropped.
-Rows of different adapters never share a batch row: LoRA layers apply an adapter to whole batch rows.
+A packed batch row holds up to 4x the longest row (best-fit decreasing), as long as the whole pass has no more
+positions than padding would: longer batch rows mean fewer positions but more attention per position, and
+`pack_rows` weighs the two. A batch row's unused tail is one more sequence whose outputs are dropped. Rows of
+different adapters never share a batch row: LoRA layers apply an adapter to whole batch rows.
 """
 
 from __future__ import annotations
@@ -53,14 +54,13 @@ def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: f
     for index, group in enumerate(groups):
         members_of.setdefault(group, []).append(index)
     longest = max(lengths)
-
-    def length_of(bins: list[list[int]]) -> int:
-        return max(sum(lengths[i] for i in members) for members in bins)
-
-    candidates = [_best_fit(members_of.values(), lengths, longest + step * longest // 8) for step in range(25)]
-    bins = min((bins for bins in candidates if len(bins) * length_of(bins) <= len(lengths) * longest),
-               key=lambda bins: len(bins) * length_of(bins) * (1 + pair_cost * length_of(bins)))
-    length = length_of(bins)
+    candidates = []  # (cost, step: the first on ties, bins, their length) where no more positions than padding
+    for step in range(25):
+        bins = _best_fit(members_of.values(), lengths, longest + step * longest // 8)
+        length = max(sum(lengths[i] for i in members) for members in bins)
+        if len(bins) * length <= len(lengths) * longest:
+            candidates.append((len(bins) * length * (1 + pair_cost * length), step, bins, length))
+    _, _, bins, length = min(candidates)
     input_ids = torch.zeros(len(bins), length, dtype=torch.int64)
     position_ids = torch.zeros(len(bins), length, dtype=torch.int64)
     sequence_ids = torch.zeros(len(bins), length, dtype=torch.int64)

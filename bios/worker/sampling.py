@@ -121,9 +121,11 @@ def _adapter_segments(adapters: list[AdapterState | None]) -> list[tuple[int, in
     return segments
 
 
-def _compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the base model computes in, which LoRA factors are cast to once per sampling block."""
-    return model.get_input_embeddings().weight.dtype
+def _sampling_adapters(model: nn.Module, adapters: list[AdapterState | None]):
+    """`active_adapters` for these rows, their factors cast once to the dtype the base model computes in (no
+    gradient flows back in sampling)."""
+    return active_adapters(model, _adapter_segments(adapters),
+                           factor_dtype=model.get_input_embeddings().weight.dtype)
 
 
 # ------------------------------------------------------------------------------------------ generate
@@ -247,7 +249,7 @@ def _prefill(
         extra, rope_deltas = reader.model_kwargs(model, input_ids, prompt_mask, [item.images for item in ordered])
     cache = DynamicCache(config=model.config)
     adapters = [item.adapter for item in ordered]
-    with active_adapters(model, _adapter_segments(adapters), factor_dtype=_compute_dtype(model)), \
+    with _sampling_adapters(model, adapters), \
             tower_adapters(model, [item.images for item in ordered], adapters):
         hidden = model.base_model(
             input_ids=input_ids,
@@ -292,8 +294,7 @@ def _decode(
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
     with ExitStack() as adapters_scope:
-        adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters),
-                                                     factor_dtype=_compute_dtype(model)))
+        adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
             tokens, token_logp = rows.choice.choose(logits, step)
             rows.choice.record(tokens)
@@ -316,8 +317,7 @@ def _decode(
                 cache.reorder_cache(keep)
                 rows, tokens, alive = rows.select(keep), tokens[keep], alive[keep]
                 adapters_scope.close()
-                adapters_scope.enter_context(active_adapters(model, _adapter_segments(rows.adapters),
-                                                     factor_dtype=_compute_dtype(model)))
+                adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
             hidden = model.base_model(
                 input_ids=tokens[:, None],
                 attention_mask=rows.attention_mask[:, : padded + step + 1],
