@@ -32,6 +32,9 @@ CONFIGS = {
     "mixtral": ("mixtral", dict(_DECODER, **_MOE, num_local_experts=4)),
     "gpt_oss": ("gpt_oss", dict(_DECODER, **_MOE, head_dim=8, num_local_experts=4,
                                 layer_types=["sliding_attention", "full_attention"])),
+    # Falcon-7B's layout: one fused query_key_value with a single k/v head, attention and MLP side by side
+    "falcon": ("falcon", dict(_COMMON, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                              parallel_attn=True, max_position_embeddings=128)),
     "deepseek_v3": ("deepseek_v3", dict(
         _DECODER, **_MOE, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
         q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1,

@@ -1,4 +1,4 @@
-"""LoRA on every architecture people fine-tune: fused projections (Phi-3), Conv1D (GPT-2), routed experts
+"""LoRA on every architecture people fine-tune: fused projections (Phi-3, Falcon), Conv1D (GPT-2), routed experts
 (Qwen3-MoE, Mixtral, gpt-oss), MLA with shared experts and first dense layers (DeepSeek-V3).
 
 Each test writes a tiny random model of the architecture with the built-in byte tokenizer into a temporary
@@ -32,6 +32,7 @@ EXPECTED_IN_LAYER = {
     "llama": _ATTN | {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"},
     "phi3": {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"},
     "gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
+    "falcon": {"self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"},
     "qwen3_moe": _ATTN | _EXPERTS,
     "mixtral": _ATTN | _EXPERTS,
     "gpt_oss": _ATTN | _EXPERTS,
@@ -94,7 +95,7 @@ def test_default_adapter_covers_every_weight_matrix_of_the_decoder(model_name):
     model = _loaded(model_name).model
     adapter = AdapterState.create("run", model, LoraConfig(rank=4, seed=1), device="cpu")
     names = [target.module_name for target in adapter.targets]
-    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
+    prefix = "transformer.h." if arch in ("gpt2", "falcon") else "model.layers."
     in_layer = [{name.removeprefix(f"{prefix}{i}.") for name in names if name.startswith(f"{prefix}{i}.")}
                 for i in (0, 1)]
     assert in_layer[1] == EXPECTED_IN_LAYER[arch]
@@ -272,7 +273,7 @@ def test_activation_checkpointing_recomputes_experts_with_their_adapters(model_n
         torch.testing.assert_close(adapter.pending_grad, grad, rtol=0, atol=1e-6 * float(grad.abs().max()))
 
 
-@pytest.mark.parametrize("model_name", ["qwen3_moe", "gpt2"], indirect=True)
+@pytest.mark.parametrize("model_name", ["qwen3_moe", "gpt2", "falcon"], indirect=True)
 def test_sampling_with_adapters_and_the_base_in_one_batch_matches_the_training_forward(model_name):
     from bios.types import SamplingParams
     from bios.worker.sampling import SampleItem, generate

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, BioGptConfig, OPTConf
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.types import Datum, LoraConfig, ModelInput
 from bios.worker.adapter import AdapterState
+from bios.worker.attention import ATTENTION, _tests_for_sdpa_by_name, use_bios_attention
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
 from bios.worker.packing import attention_pair_cost, pack_rows
@@ -64,8 +65,8 @@ def _together_equals_alone(model, loss_fn: str = "cross_entropy") -> list[int]:
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_a_packed_row_gets_what_it_gets_alone(arch):
     batch_rows = _together_equals_alone(build_model(arch))
-    if arch == "gpt_oss":  # eager attention with sinks: its mask is not Bios's, so rows are padded
-        assert batch_rows == [5]
+    if arch in ("gpt_oss", "falcon"):  # rows padded: gpt-oss runs eager attention (sinks), Falcon's code
+        assert batch_rows == [5]      # leaves its SDPA path when the implementation is not named "sdpa"
     else:
         assert len(batch_rows) == 1 and batch_rows[0] <= 4
 
@@ -115,6 +116,15 @@ def test_opt_flattens_tokens_before_its_mlp_and_each_row_still_gets_its_adapter(
                        num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=128, dropout=0.0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     assert _together_equals_alone(model)[0] <= 4
+
+
+def test_a_model_whose_code_tests_for_sdpa_by_name_keeps_sdpa():
+    """Falcon's attention runs SDPA only while the implementation is named "sdpa" (and it cannot be switched):
+    it keeps plain SDPA, and its rows are padded (checked above); Llama switches."""
+    falcon, llama = build_model("falcon"), build_model("llama")
+    assert _tests_for_sdpa_by_name(falcon) and not _tests_for_sdpa_by_name(llama)
+    assert not use_bios_attention(falcon) and falcon.config._attn_implementation == "sdpa"
+    assert use_bios_attention(llama) and llama.config._attn_implementation == ATTENTION
 
 
 def test_pack_rows_fills_short_batch_rows_one_adapter_each():

@@ -1,7 +1,8 @@
 """Which weight matrices of a decoder LoRA can train, whatever the architecture calls them.
 
-Three kinds are adaptable: a plain `nn.Linear` (separate or fused projections such as Phi-3's `qkv_proj` and
-`gate_up_proj`, DeepSeek's MLA `q_a_proj` ... `kv_b_proj`, shared experts, the output head), a GPT-2 style
+Three kinds are adaptable: a plain `nn.Linear` or one computing the same (Falcon's `FalconLinear`), separate or
+fused projections alike (Phi-3's `qkv_proj` and `gate_up_proj`, DeepSeek's MLA `q_a_proj` ... `kv_b_proj`,
+Falcon's `query_key_value`, shared experts, the output head), a GPT-2 style
 `Conv1D` (weight stored [in, out]), and the 3D expert parameters transformers 5 keeps for routed experts
 (`mlp.experts.gate_up_proj [E, ...]`, `down_proj`), each expert with its own A and B. Router gates,
 embeddings, norms and biases are never adapted. Any other module holding a weight matrix (a quantized linear,
@@ -88,6 +89,16 @@ def expert_parameters(module: nn.Module) -> tuple[str, str]:
     return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
+# `nn.Linear` subclasses whose forward is `x @ W.T + b` all the same: LoRA's layer stands in for them unchanged.
+# (`FalconLinear` adds its bias in a separate op, which in bf16 rounds once more than `F.linear`.)
+_LINEAR_ALIASES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    plain = type(module).__dict__.get("bios_lora_base", type(module))  # LoraLinear stands for its base
+    return plain is nn.Linear or f"{plain.__module__}.{plain.__qualname__}" in _LINEAR_ALIASES
+
+
 def _role(name: str, module: nn.Module, head: nn.Module | None) -> Role:
     if module is head:
         return "unembed"
@@ -101,16 +112,15 @@ def _discover(model: nn.Module) -> tuple[list[_Found], list[Unadaptable]]:
     inside_refused: tuple[str, ...] = ()  # the parts of a refused module are not reported again
     for name, module in model.named_modules():
         if in_vision_tower(name):  # the image encoder: its linear layers only (not the patch embedding)
-            if type(module).__dict__.get("bios_lora_base", type(module)) is nn.Linear:
+            if _is_plain_linear(module):
                 found.append(_Found(LoraTarget(name, module.in_features, module.out_features), "vision"))
             continue
         role = _role(name, module, head)
         kind = type(module)
-        plain = kind.__dict__.get("bios_lora_base", kind)  # LoraLinear / LoraConv1D stand for their base
-        if plain is nn.Linear:
+        if _is_plain_linear(module):
             if module is head or not is_router(name, module):
                 found.append(_Found(LoraTarget(name, module.in_features, module.out_features), role))
-        elif plain is Conv1D:
+        elif kind.__dict__.get("bios_lora_base", kind) is Conv1D:  # LoraConv1D stands for its base
             in_features, out_features = module.weight.shape
             found.append(_Found(LoraTarget(name, in_features, out_features, "conv1d"), role))
         elif is_experts(module):
