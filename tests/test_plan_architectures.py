@@ -22,7 +22,7 @@ def test_every_architecture_gets_a_plan(arch):
     assert plan.tp == 1 and plan.estimate.total < 4 * GiB
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gpt2", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["phi3", "gpt2", "falcon", "gpt_oss", "deepseek_v3"])
 def test_layouts_tensor_parallelism_cannot_split_say_why(arch):
     shape = ModelShape.from_config(build_model(arch).config)
     problem = shape.tensor_parallel_problem(2)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 _UNSPLIT_LAYOUTS = {
     "gpt2": "its Conv1D attention and MLP layers have no tensor-parallel split",
     "phi3": "its fused qkv_proj and gate_up_proj layers have no tensor-parallel split",
+    "falcon": "its fused query_key_value layers have no tensor-parallel split",
     "gpt_oss": "its attention sinks have no tensor-parallel split",
 }
 _VISION_SPLIT_PROBLEM = "vision-language models are not tensor-parallel split (the shards hold no image processor)"
