@@ -70,14 +70,16 @@ def test_weighted_loss_refuses_weights_of_another_length():
 
 
 class HeadMatmuls(TorchDispatchMode):
-    """Counts matmuls that read the whole [V, H] head weight: the logits, and the gradient of the hidden states."""
+    """Counts matmuls that read the whole [V, H] head weight: the logits, and the gradient of the hidden states
+    (ATen's, or oneDNN's linear that `bios.kernels.frozen_matmul` runs for fp32 on CPU)."""
 
     def __init__(self, head_shape: tuple[int, int]):
         super().__init__()
         self.shapes, self.count = {head_shape, head_shape[::-1]}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                   torch.ops.mkldnn._linear_pointwise):
             self.count += any(isinstance(a, torch.Tensor) and tuple(a.shape) in self.shapes for a in args)
         return func(*args, **(kwargs or {}))
 

@@ -11,6 +11,7 @@ log-probs (`linear_weighted_loss`, cross-entropy): then every gradient is accumu
 
 import torch
 
+from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
 
 _LOGITS_PER_CHUNK = 1 << 26  # 256 MiB of fp32 logits at most
@@ -149,7 +150,7 @@ class _LogitsBuffer:
         )
 
     def logits(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
-        logits = torch.mm(h, weight.T, out=self.matmul[: h.shape[0]])
+        logits = frozen_linear(h, weight, out=self.matmul[: h.shape[0]])
         if lora_a is not None:
             logits.addmm_(h @ lora_a.to(h.dtype).T, lora_b.to(h.dtype).T, alpha=lora_scale)
         return logits if self.softmax is self.matmul else self.softmax[: h.shape[0]].copy_(logits)
@@ -213,7 +214,7 @@ def _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_s
     grad_hidden, grad_weight, grad_a, grad_b = grads
     if grad_hidden is not None:
         in_matmul_dtype = buffer.in_matmul_dtype(dlogits)
-        torch.mm(in_matmul_dtype, weight, out=grad_hidden)
+        frozen_input_grad(in_matmul_dtype, weight, out=grad_hidden)
         if lora_a is not None:
             grad_hidden.addmm_(in_matmul_dtype @ lora_b.to(grad_hidden.dtype), lora_a.to(grad_hidden.dtype),
                                alpha=lora_scale)

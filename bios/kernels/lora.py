@@ -12,8 +12,8 @@ tokens. Each segment runs its own two small matmuls; no per-token weight copy is
 import math
 
 import torch
-import torch.nn.functional as F
 
+from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
 
 
@@ -63,7 +63,7 @@ def lora_linear_multi(
 def _lora_linear_forward(x, weight, bias, segments, scales, lora_as, lora_bs):
     """(y, each segment's x A^T, the factors in x's dtype)."""
     lora_as, lora_bs = [a.to(x.dtype) for a in lora_as], [b.to(x.dtype) for b in lora_bs]
-    y = F.linear(x, weight, bias)
+    y = frozen_linear(x, weight, bias)
     xas = []
     for (start, end), a, b, scale in zip(segments, lora_as, lora_bs, scales):
         xa = x[start:end] @ a.T
@@ -124,7 +124,7 @@ class _LoraLinear(torch.autograd.Function):
         lora_as, lora_bs, xas = rest[:n_adapters], rest[n_adapters : 2 * n_adapters], rest[2 * n_adapters :]
         need_x, need_w, need_bias = ctx.needs_input_grad[:3]
         grad_y = grad_y.reshape(-1, weight.shape[0])
-        grad_x = grad_y @ weight if need_x else None
+        grad_x = frozen_input_grad(grad_y, weight) if need_x else None
         grad_w = grad_y.T @ x if need_w else None
         grad_bias = grad_y.sum(0) if need_bias else None
         grad_factors = []

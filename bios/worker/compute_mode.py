@@ -4,7 +4,8 @@
 `BIOS_KERNELS` (default on) decides at every call whether the worker's layers run `bios.kernels` or the
 stock Transformers/PyTorch ops; `BIOS_PACKING` (default on) whether a training pass packs its rows end to end
 (`bios.worker.packing`) or pads them to the longest. Both are read per call rather than once so one process
-can compare both paths.
+can compare both paths. (`BIOS_GEMM`, which GEMM library fp32 matmuls on CPU use, is read by the kernels
+themselves: `bios.kernels.frozen_matmul`.)
 
 `BIOS_BASE_DTYPE` is read when a base model is prepared (`attach_lora`). `float32` or `bfloat16` stores the
 frozen base weights (and so the activations) in that dtype; adapters, their gradients and the optimizer stay

@@ -61,7 +61,7 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
         segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
                     for segment in segments]
-    if segments and kernels_enabled():
+    if kernels_enabled() and x.dim() >= 2:  # also without segments: the frozen matmuls on the faster GEMM
         return lora_linear_multi(
             x,
             weight,

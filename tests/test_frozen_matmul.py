@@ -1,0 +1,89 @@
+"""Matmuls against frozen base weights (bios.kernels.frozen_matmul): fp32 on CPU runs oneDNN's GEMM unless
+`BIOS_GEMM=aten`; both are fp32-accurate, and a whole training pass agrees between them to fp32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel_integration import random_batch, smollm2_shaped
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear, gemm_backend
+from bios.types import LoraConfig
+from bios.worker.adapter import AdapterState
+from bios.worker.engine import ForwardItem, forward_backward
+from bios.worker.lora import attach_lora
+
+
+class Ops(TorchDispatchMode):
+    """The names of the ops that run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=generator).to(dtype)
+    weight = torch.randn(200, 96, generator=generator).to(dtype)
+    bias = torch.randn(200, generator=generator).to(dtype)
+    grad = torch.randn(37, 200, generator=generator).to(dtype)
+    return x, weight, bias, grad
+
+
+@pytest.mark.parametrize("backend", ["onednn", "aten"])
+def test_both_gemms_compute_x_wt_and_g_w_in_fp32(backend, monkeypatch):
+    monkeypatch.setenv("BIOS_GEMM", backend)
+    x, weight, bias, grad = _inputs()
+    exact_forward = x.double() @ weight.double().T + bias.double()
+    exact_grad = grad.double() @ weight.double()
+    transposed = weight.T.contiguous().T  # a Conv1D's weight: [out, in] seen through a transpose
+    with Ops() as ops:
+        results = [frozen_linear(x, weight, bias), frozen_linear(x, transposed, bias),
+                   frozen_linear(x, weight, bias, out=torch.empty(37, 200)), frozen_input_grad(grad, weight),
+                   frozen_input_grad(grad, transposed), frozen_input_grad(grad, weight, out=torch.empty(37, 96))]
+    for got, want in zip(results, [exact_forward] * 3 + [exact_grad] * 3):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)  # fp32 sums of 96 or 200 terms
+    assert ("mkldnn._linear_pointwise" in ops.names) == (backend == "onednn" and torch.backends.mkldnn.is_available())
+
+
+def test_other_dtypes_and_few_rows_keep_pytorchs_matmul_and_bad_settings_are_refused(monkeypatch):
+    x, weight, bias, grad = _inputs(torch.bfloat16)
+    few_rows, small_weight, _, _ = _inputs()
+    with Ops() as ops:
+        frozen_linear(x, weight, bias), frozen_input_grad(grad, weight)
+        frozen_linear(few_rows[:4], small_weight)  # a decode step's rows through a small projection
+    assert "mkldnn._linear_pointwise" not in ops.names
+    assert gemm_backend() == "onednn"
+    monkeypatch.setenv("BIOS_GEMM", "mkl")
+    with pytest.raises(ValueError, match=r"BIOS_GEMM must be one of \['onednn', 'aten'\] \(unset: onednn\), got 'mkl'"):
+        frozen_linear(*_inputs()[:2])
+
+
+def test_a_training_pass_agrees_between_the_two_gemms(monkeypatch):
+    """SmolLM2's shapes, fp32: log-probs and the adapter's gradient through either GEMM agree to fp32 rounding."""
+    monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")
+    model = smollm2_shaped()
+    attach_lora(model)
+    adapter = AdapterState.create("run", model, LoraConfig(rank=8, seed=0), device="cpu")
+    with torch.no_grad():
+        adapter.params.add_(0.01 * torch.randn(adapter.params.shape, generator=torch.Generator().manual_seed(1)))
+    data = random_batch(model.config.vocab_size, [14, 9, 20], seed=1)
+    results = {}
+    for backend in ("onednn", "aten"):
+        monkeypatch.setenv("BIOS_GEMM", backend)
+        adapter.pending_grad.zero_()
+        output = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")])[0]
+        results[backend] = ([out["logprobs"].to_torch() for out in output.loss_fn_outputs],
+                            adapter.pending_grad.clone())
+    (fast_logprobs, fast_grad), (aten_logprobs, aten_grad) = results["onednn"], results["aten"]
+    for fast, aten in zip(fast_logprobs, aten_logprobs):
+        torch.testing.assert_close(fast, aten, rtol=1e-5, atol=1e-5)
+    assert float(aten_grad.abs().max()) > 0
+    torch.testing.assert_close(fast_grad, aten_grad, rtol=0, atol=1e-5 * float(aten_grad.abs().max()))
