@@ -63,6 +63,7 @@ class TokenChoice:
     any_greedy: bool
     any_sampled: bool
     any_filtered: bool
+    any_tempered: bool  # a sampled row's temperature is not 1
 
     def select(self, keep: Tensor) -> TokenChoice:
         values = {}
@@ -87,7 +88,7 @@ class TokenChoice:
             greedy_logp = logits.gather(1, greedy_tokens) - torch.logsumexp(logits, dim=-1, keepdim=True)
             if not self.any_sampled:
                 return greedy_tokens.squeeze(1), greedy_logp.squeeze(1)
-        scaled = logits * self.inv_temperature[:, None]
+        scaled = logits * self.inv_temperature[:, None] if self.any_tempered else logits
         if self.any_filtered:
             scaled = scaled.masked_fill(~self._kept_tokens(scaled), -math.inf)
         logp = torch.log_softmax(scaled, dim=-1)
@@ -126,7 +127,7 @@ def inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
     `right=True` returns the first index whose CDF exceeds the target, which never is a zero-probability
     token as long as the target stays below the total (hence the clamp just under it).
     """
-    cdf = logp.exp().cumsum(dim=-1)
+    cdf = logp.exp().cumsum_(dim=-1)  # in place: a second [B, V] buffer costs its page faults every step
     total = cdf[:, -1:]
     targets = uniforms if uniforms.dim() == 2 else uniforms[:, None]
     targets = torch.minimum(targets * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -168,4 +169,5 @@ def token_choice(rows: list[RowSpec], steps: int, vocab: int, device: torch.devi
         any_greedy=any(greedy),
         any_sampled=not all(greedy),
         any_filtered=any(not g and (p.top_k != -1 or p.top_p < 1 or p.min_p > 0) for p, g in zip(params, greedy)),
+        any_tempered=any(not g and p.temperature != 1 for p, g in zip(params, greedy)),
     )
