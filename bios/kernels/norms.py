@@ -70,15 +70,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"swiglu: gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
         )
     if not grad_wanted(gate, up):
-        return F.silu(gate).mul_(up)
+        return swiglu_value(gate, up)
     return _SwiGLU.apply(gate, up)
+
+
+def swiglu_value(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up without autograd: `swiglu`'s forward, bit for bit (it is how `swiglu` computes it)."""
+    with torch.no_grad():
+        return F.silu(gate).mul_(up)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return F.silu(gate).mul_(up)
+        return swiglu_value(gate, up)
 
     @staticmethod
     def backward(ctx, grad_y):

@@ -12,6 +12,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from bios.kernels import rms_norm, swiglu
+from bios.kernels.norms import swiglu_value
+from bios.kernels.recompute import recomputed_when_saved
 from bios.worker.compute_mode import kernels_enabled
 
 
@@ -28,7 +30,8 @@ class _FusedRMSNorm:
 
 
 class _FusedSwiGLUMLP:
-    """Mixin put before a Llama-style MLP class: `silu(gate) * up` recomputes silu in backward instead of saving it."""
+    """Mixin put before a Llama-style MLP class: `silu(gate) * up` recomputes silu in backward instead of saving
+    it, and `down_proj` recomputes its input from gate and up (`recomputed_when_saved`) instead of keeping it."""
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -37,7 +40,10 @@ class _FusedSwiGLUMLP:
     def forward(self, x: Tensor) -> Tensor:
         if not kernels_enabled():
             return super().forward(x)
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = swiglu(gate, up)
+        with recomputed_when_saved(hidden, lambda: swiglu_value(gate, up)):  # not held until backward
+            return self.down_proj(hidden)
 
 
 _fused_classes: dict[type, type] = {}
