@@ -66,15 +66,20 @@ def test_other_dtypes_and_few_rows_keep_pytorchs_matmul_and_bad_settings_are_ref
         frozen_linear(*_inputs()[:2])
 
 
-def test_a_training_pass_agrees_between_the_two_gemms(monkeypatch):
-    """SmolLM2's shapes, fp32: log-probs and the adapter's gradient through either GEMM agree to fp32 rounding."""
+def adapted_smollm2_shaped(monkeypatch):
+    """A 2-layer SmolLM2-shaped model in fp32 with a rank-8 adapter whose A and B are both non-zero, and a batch."""
     monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")
     model = smollm2_shaped()
     attach_lora(model)
     adapter = AdapterState.create("run", model, LoraConfig(rank=8, seed=0), device="cpu")
     with torch.no_grad():
         adapter.params.add_(0.01 * torch.randn(adapter.params.shape, generator=torch.Generator().manual_seed(1)))
-    data = random_batch(model.config.vocab_size, [14, 9, 20], seed=1)
+    return model, adapter, random_batch(model.config.vocab_size, [14, 9, 20], seed=1)
+
+
+def test_a_training_pass_agrees_between_the_two_gemms(monkeypatch):
+    """SmolLM2's shapes, fp32: log-probs and the adapter's gradient through either GEMM agree to fp32 rounding."""
+    model, adapter, data = adapted_smollm2_shaped(monkeypatch)
     results = {}
     for backend in ("onednn", "aten"):
         monkeypatch.setenv("BIOS_GEMM", backend)

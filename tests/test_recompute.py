@@ -6,12 +6,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from test_kernel_integration import random_batch, smollm2_shaped
+from test_frozen_matmul import adapted_smollm2_shaped
 
-from bios.types import LoraConfig
-from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
-from bios.worker.lora import attach_lora
 
 
 def _pass(model, adapter, data) -> tuple[list[bool], torch.Tensor]:
@@ -31,13 +28,7 @@ def _pass(model, adapter, data) -> tuple[list[bool], torch.Tensor]:
 
 
 def test_down_proj_input_is_recomputed_not_held_with_the_same_gradients(monkeypatch):
-    monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")
-    model = smollm2_shaped()
-    attach_lora(model)
-    adapter = AdapterState.create("run", model, LoraConfig(rank=8, seed=0), device="cpu")
-    with torch.no_grad():
-        adapter.params.add_(0.01 * torch.randn(adapter.params.shape, generator=torch.Generator().manual_seed(1)))
-    data = random_batch(model.config.vocab_size, [14, 9, 20], seed=1)
+    model, adapter, data = adapted_smollm2_shaped(monkeypatch)
     alive, grad = _pass(model, adapter, data)
     assert alive == [False, False]
     # Under other saved-tensor hooks (as activation checkpointing installs) the input is held as before.
