@@ -118,6 +118,30 @@ def test_opt_flattens_tokens_before_its_mlp_and_each_row_still_gets_its_adapter(
     assert _together_equals_alone(model)[0] <= 4
 
 
+def test_a_pass_budget_counts_the_positions_packed_rows_take(monkeypatch):
+    """Micro-batches are sized by the positions their pass really runs: packed rows fit more in one pass than
+    padded ones, no pass goes over the budget, and the results are the padded passes'."""
+    model = build_model("llama")
+    attach_lora(model)
+    adapter = _adapters(model)[0]
+    data = [_datum(bytes(range(97, 97 + n))) for n in (20, 5, 12, 9, 16, 3, 7)]  # rows of 19, 4, 11, ... tokens
+    positions: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: positions.append(out.shape[0] * out.shape[1]))
+    runs = {}
+    for packing in ("1", "0"):
+        monkeypatch.setenv("BIOS_PACKING", packing)
+        positions.clear()
+        adapter.pending_grad.zero_()
+        output = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")], max_tokens_per_pass=40)[0]
+        runs[packing] = (list(positions), output, adapter.pending_grad.clone())
+    (packed_passes, packed, packed_grad), (padded_passes, padded, padded_grad) = runs["1"], runs["0"]
+    assert max(packed_passes + padded_passes) <= 40
+    assert len(packed_passes) < len(padded_passes) == 3  # padded: [19, 15], [11, 8, 6], [4, 2]
+    for got, want in zip(packed.loss_fn_outputs, padded.loss_fn_outputs):
+        torch.testing.assert_close(got["logprobs"].to_torch(), want["logprobs"].to_torch(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_grad, padded_grad, rtol=0, atol=1e-5 * float(padded_grad.abs().max()))
+
+
 def test_a_model_whose_code_tests_for_sdpa_by_name_keeps_sdpa():
     """Falcon's attention runs SDPA only while the implementation is named "sdpa" (and it cannot be switched):
     it keeps plain SDPA, and its rows are padded (checked above); Llama switches."""

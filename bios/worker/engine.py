@@ -26,7 +26,7 @@ from bios.worker.compute_mode import packing_enabled
 from bios.worker.custom_loss import CompiledLoss
 from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
-from bios.worker.packing import attention_pair_cost, pack_rows, packed_sequences
+from bios.worker.packing import attention_pair_cost, pack_rows, packed_layout, packed_sequences
 from bios.worker.vision import ImageReader, RowImages
 from bios.worker.vision_lora import tower_adapters
 
@@ -136,21 +136,55 @@ def _group_rows(rows: list[_Row]) -> list[_Row]:
     return sorted(rows, key=lambda row: (first_seen[id(row.adapter)], -row.tokens.numel()))
 
 
-def _micro_batches(rows: list[_Row], max_tokens_per_pass: int) -> list[list[_Row]]:
-    """Consecutive runs of rows whose padded size (rows x longest) fits the budget; a longer row runs alone."""
+def _micro_batches(rows: list[_Row], max_tokens_per_pass: int,
+                   positions: Callable[[list[_Row]], int]) -> list[list[_Row]]:
+    """Consecutive runs of rows, each as long as found whose pass (`positions`: the batch positions it runs,
+    padded or packed) fits the budget; a row longer than the budget runs alone.
+
+    Packing never takes more positions than padding, so a run starts as the rows that fit padded (a cheap
+    count), then grows by doubling and halving: a packed layout is computed a few times per pass."""
     batches: list[list[_Row]] = []
-    current: list[_Row] = []
-    longest = 0
-    for row in rows:
-        length = row.tokens.numel()
-        if current and (len(current) + 1) * max(longest, length) > max_tokens_per_pass:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(row)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
+    start = 0
+    while start < len(rows):
+        fits, longest = start + 1, rows[start].tokens.numel()
+        while fits < len(rows) and (fits + 1 - start) * max(longest, rows[fits].tokens.numel()) <= max_tokens_per_pass:
+            longest = max(longest, rows[fits].tokens.numel())
+            fits += 1
+        step, too_many = 1, None
+        while fits < len(rows):
+            trial = min(fits + step, len(rows))
+            if positions(rows[start:trial]) > max_tokens_per_pass:
+                too_many = trial
+                break
+            fits, step = trial, step * 2
+        while too_many is not None and too_many - fits > 1:
+            middle = (fits + too_many) // 2
+            if positions(rows[start:middle]) <= max_tokens_per_pass:
+                fits = middle
+            else:
+                too_many = middle
+        batches.append(rows[start:fits])
+        start = fits
     return batches
+
+
+def _padded_positions(rows: list[_Row]) -> int:
+    return len(rows) * max(row.tokens.numel() for row in rows)
+
+
+def _packed_positions(pair_cost: float) -> Callable[[list[_Row]], int]:
+    def positions(rows: list[_Row]) -> int:
+        bins, length = packed_layout([row.tokens.numel() for row in rows], [id(row.adapter) for row in rows],
+                                     pair_cost)
+        return len(bins) * length
+
+    return positions
+
+
+def _packs(model: nn.Module, reader: ImageReader | None) -> bool:
+    """Whether training passes pack rows: asked for (`BIOS_PACKING`), no images, and Bios's attention runs."""
+    return (packing_enabled() and reader is None and getattr(model.config, "vision_config", None) is None
+            and use_bios_attention(model))
 
 
 def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int, int, AdapterState]]:
@@ -167,11 +201,12 @@ def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int,
 
 
 def _run_pass(
-    model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None
+    model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None,
+    packs: bool,
 ) -> tuple[list[Tensor], list[float], list[dict[str, float]]]:
     """One forward pass over `rows` (and one backward of their summed loss if `backward`).
 
-    Rows are packed end to end (`packing`) where the model allows, else right-padded: either way a token sees
+    Rows are packed end to end (`packing`) when `packs`, else right-padded: either way a token sees
     only its own row, so outputs do not depend on what else shares the batch. Only real positions go through
     the head.
     """
@@ -180,8 +215,6 @@ def _run_pass(
     adapters = [row.adapter for row in rows]
     targets = torch.cat([row.targets for row in rows]).to(device)
     with torch.set_grad_enabled(backward):
-        packs = (packing_enabled() and reader is None and getattr(model.config, "vision_config", None) is None
-                 and use_bios_attention(model))
         hidden = _packed_hidden(model, rows, device) if packs else _padded_hidden(model, rows, reader, device)
         token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
         head_loss = backward and all(weights is not None for weights in token_weights)
@@ -258,11 +291,13 @@ def forward_backward(
             )
     logprobs: list[list[Tensor | None]] = [[None] * len(item.data) for item in items]
     sums: list[dict[str, float]] = [{"loss:sum": 0.0} for _ in items]
+    packs = _packs(model, images)
+    positions = _packed_positions(attention_pair_cost(model.config)) if packs else _padded_positions
     for backward in (True, False):
         selected = [row for row in rows if items[row.item].forward_only != backward]
-        for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass):
+        for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass, positions):
             batch_logprobs, batch_losses, batch_metrics = _run_pass(model, batch, items, backward=backward,
-                                                                    reader=images)
+                                                                    reader=images, packs=packs)
             for row, row_logprobs, loss, row_metrics in zip(batch, batch_logprobs, batch_losses, batch_metrics):
                 logprobs[row.item][row.index] = row_logprobs
                 for key, value in {"loss:sum": loss, **row_metrics}.items():

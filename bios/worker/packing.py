@@ -44,23 +44,9 @@ class PackedBatch:
 def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: float = 0.0) -> PackedBatch:
     """Pack 1-D token tensors into batch rows, rows of equal `groups` entries only; groups keep their order of
     first appearance, so batch rows of one group are consecutive (as the LoRA segments over batch rows want).
-
-    A batch row holds up to a capacity of 1 to 4 times the longest row in eighths (best-fit decreasing), whichever
-    costs least: `batch_rows x length x (1 + pair_cost x length)`, where `pair_cost` is one attended token
-    pair's cost in tokens' worth of the rest of the model (`attention_pair_cost`). Never more positions than
-    padding."""
+    The layout is `packed_layout`'s."""
     lengths = [row.numel() for row in tokens]
-    members_of: dict[Hashable, list[int]] = {}
-    for index, group in enumerate(groups):
-        members_of.setdefault(group, []).append(index)
-    longest = max(lengths)
-    candidates = []  # (cost, step: the first on ties, bins, their length) where no more positions than padding
-    for step in range(25):
-        bins = _best_fit(members_of.values(), lengths, longest + step * longest // 8)
-        length = max(sum(lengths[i] for i in members) for members in bins)
-        if len(bins) * length <= len(lengths) * longest:
-            candidates.append((len(bins) * length * (1 + pair_cost * length), step, bins, length))
-    _, _, bins, length = min(candidates)
+    bins, length = packed_layout(lengths, groups, pair_cost)
     input_ids = torch.zeros(len(bins), length, dtype=torch.int64)
     position_ids = torch.zeros(len(bins), length, dtype=torch.int64)
     sequence_ids = torch.zeros(len(bins), length, dtype=torch.int64)
@@ -80,6 +66,29 @@ def pack_rows(tokens: Sequence[Tensor], groups: Sequence[Hashable], pair_cost: f
     one_each = bool((sequence_ids == 0).all())
     return PackedBatch(input_ids, position_ids, None if one_each else sequence_ids, token_index,
                        [members[0] for members in bins])
+
+
+def packed_layout(lengths: Sequence[int], groups: Sequence[Hashable],
+                  pair_cost: float = 0.0) -> tuple[list[list[int]], int]:
+    """Which rows share each batch row, and the batch rows' length, for rows of `lengths` tokens.
+
+    A batch row holds up to a capacity of 1 to 4 times the longest row in eighths (best-fit decreasing), whichever
+    costs least: `batch_rows x length x (1 + pair_cost x length)`, where `pair_cost` is one attended token
+    pair's cost in tokens' worth of the rest of the model (`attention_pair_cost`). Never more positions than
+    padding."""
+    lengths = list(lengths)
+    members_of: dict[Hashable, list[int]] = {}
+    for index, group in enumerate(groups):
+        members_of.setdefault(group, []).append(index)
+    longest = max(lengths)
+    candidates = []  # (cost, step: the first on ties, bins, their length) where no more positions than padding
+    for step in range(25):
+        bins = _best_fit(members_of.values(), lengths, longest + step * longest // 8)
+        length = max(sum(lengths[i] for i in members) for members in bins)
+        if len(bins) * length <= len(lengths) * longest:
+            candidates.append((len(bins) * length * (1 + pair_cost * length), step, bins, length))
+    _, _, bins, length = min(candidates)
+    return bins, length
 
 
 def _best_fit(groups: Iterable[list[int]], lengths: list[int], capacity: int) -> list[list[int]]:
