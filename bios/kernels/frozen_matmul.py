@@ -40,13 +40,13 @@ _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (gemm_backend() == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and (x.shape[0] >= _ONEDNN_MIN_ROWS or weight.numel() >= _ONEDNN_MIN_WEIGHT)
+            and (x.numel() >= _ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= _ONEDNN_MIN_WEIGHT)
             and torch.backends.mkldnn.is_available())
 
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x Wᵀ + b` for x [rows, in], weight [out, in] (any strides), bias [out] or None; into `out` if given
+    """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given
     (oneDNN's op has no out= form: its result is copied, which costs less than its gain on a head's chunk)."""
     if _onednn(x, weight):
         result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -24,6 +24,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
+from bios.kernels.frozen_matmul import frozen_linear
+from bios.kernels.grad_wanted import grad_wanted
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
 from bios.worker.fused_llama import fuse_llama_modules
@@ -61,16 +63,23 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
         segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
                     for segment in segments]
-    if kernels_enabled() and x.dim() >= 2:  # also without segments: the frozen matmuls on the faster GEMM
-        return lora_linear_multi(
-            x,
-            weight,
-            bias,
-            [segment.lora_a for segment in segments],
-            [segment.lora_b for segment in segments],
-            [segment.scale for segment in segments],
-            [(segment.start, segment.end) for segment in segments],
-        )
+    if not kernels_enabled() or x.dim() < 2:
+        return _stock_lora_forward(x, weight, bias, segments)
+    if not segments and not grad_wanted(x, weight, bias):  # sampling the base: no kernel bookkeeping per call
+        return frozen_linear(x, weight, bias)
+    return lora_linear_multi(
+        x,
+        weight,
+        bias,
+        [segment.lora_a for segment in segments],
+        [segment.lora_b for segment in segments],
+        [segment.scale for segment in segments],
+        [(segment.start, segment.end) for segment in segments],
+    )
+
+
+def _stock_lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment]) -> Tensor:
+    """`lora_forward`'s arithmetic through stock autograd (`BIOS_KERNELS=0`)."""
     out = F.linear(x, weight, bias)
     for segment in segments:
         lora_a = segment.lora_a.to(x.dtype)
