@@ -82,8 +82,12 @@ class Cluster:
         keys, _ = KeyStore.init(state_dir)
         self.api_key, self.token = str(keys.create("alice")), str(keys.cluster.worker_token())
         keys.close()
-        # What an operator's shell would hold: no *_SOCKET_IFNAME (the workers must find their interface).
-        self.env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+        # What an operator's shell would hold: no *_SOCKET_IFNAME (the workers must find their interface). The
+        # references are this cluster's own worker, so all its workers can take MKL's fp32 GEMM: oneDNN's (the CPU
+        # default) rounds ~3x more, so a row-parallel shard's partial sums stray ~5x further from the whole
+        # product's, and ~1 weight in 10^4 whose gradient sits at that level took an Adam step the other way
+        # (bios/kernels/frozen_matmul.py; tests/test_frozen_matmul.py compares the two libraries).
+        self.env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")} | {"BIOS_GEMM": "aten"}
         self.processes: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
         self.address = ""
