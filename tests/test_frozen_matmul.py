@@ -8,7 +8,7 @@ import torch
 from test_kernel_integration import random_batch, smollm2_shaped
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear, gemm_backend
+from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear, gemm_backend, gemm_library
 from bios.types import LoraConfig
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
@@ -61,6 +61,11 @@ def test_other_dtypes_and_few_rows_keep_pytorchs_matmul_and_bad_settings_are_ref
         frozen_linear(few_rows[:4], small_weight)  # a decode step's rows through a small projection
     assert "mkldnn._linear_pointwise" not in ops.names
     assert gemm_backend() == "onednn"
+    fp32_weight = _inputs()[1]
+    assert gemm_library(weight).startswith("PyTorch's CPU matmul")  # bf16: what the worker logs
+    assert gemm_library(fp32_weight).startswith("oneDNN") == torch.backends.mkldnn.is_available()
+    monkeypatch.setenv("BIOS_GEMM", "aten")
+    assert gemm_library(fp32_weight).startswith("PyTorch's CPU matmul")
     monkeypatch.setenv("BIOS_GEMM", "mkl")
     with pytest.raises(ValueError, match=r"BIOS_GEMM must be one of \['onednn', 'aten'\] \(unset: onednn\), got 'mkl'"):
         frozen_linear(*_inputs()[:2])

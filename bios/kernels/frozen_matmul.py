@@ -38,6 +38,15 @@ _ONEDNN_MIN_ROWS = 32
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
 
 
+def gemm_library(weight: torch.Tensor) -> str:
+    """Which library multiplies by `weight` (a frozen base weight) in training passes, for the worker's log."""
+    if weight.device.type != "cpu":
+        return f"PyTorch's {weight.device.type} matmul"
+    if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available() and gemm_backend() == "onednn":
+        return "oneDNN (BIOS_GEMM=aten keeps PyTorch's MKL)"
+    return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (gemm_backend() == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and (x.numel() >= _ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= _ONEDNN_MIN_WEIGHT)

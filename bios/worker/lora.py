@@ -24,7 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
-from bios.kernels.frozen_matmul import frozen_linear
+from bios.kernels.frozen_matmul import frozen_linear, gemm_library
 from bios.kernels.grad_wanted import grad_wanted
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
@@ -251,8 +251,8 @@ def attach_lora(model: nn.Module) -> None:
         for param in model.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(choice.dtype)
-    log.info("%s: frozen base weights in %s (%s)", model.config.name_or_path or type(model).__name__,
-             str(weights.dtype).removeprefix("torch."), choice.reason)
+    log.info("%s: frozen base weights in %s (%s); matmuls through %s", model.config.name_or_path or
+             type(model).__name__, str(weights.dtype).removeprefix("torch."), choice.reason, gemm_library(weights))
     model.requires_grad_(False)
     model.eval()
     setattr(model, _ATTACHED_FLAG, wrapped)
