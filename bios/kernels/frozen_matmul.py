@@ -4,14 +4,17 @@ gradient, on the faster of the CPU's two GEMM libraries.
 PyTorch's CPU build sends fp32 matmuls to MKL's sgemm and bf16 ones to oneDNN. On an AMD EPYC (AVX-512,
 torch 2.13.0+cpu, 2 threads) oneDNN's fp32 GEMM ran 1.1-1.2x MKL's on a training step's shapes (512 x 1536 x
 576: 207 vs 178 GFLOP/s; 2048^3: 212 vs 177) and 1.2-2.3x on a decode step's few rows (16 rows through
-SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s), also with oneDNN held to AVX2; bf16 runs oneDNN either way.
-So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for
-CPU linear layers), except a few rows through a small weight, where MKL's lower call cost wins; everything else
-(GPUs, bf16, a build without oneDNN) through `torch.nn.functional.linear` and `torch.mm` as before. Results
-agree to fp32 rounding (another summation order).
+SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. With oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products
+still gained (1.1-1.7x) but a training step lost (0.93x). So fp32 CPU tensors go through oneDNN's linear
+(`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for CPU linear layers): a training pass's products
+where oneDNN runs AVX-512, a decode step's few rows through a large weight everywhere; everything else (MKL's
+lower call cost wins on small products; GPUs, bf16, a build without oneDNN) through
+`torch.nn.functional.linear` and `torch.mm` as before. Results agree to fp32 rounding (another summation
+order).
 
-`BIOS_GEMM=aten` keeps PyTorch's own choice everywhere (read per call, like `BIOS_KERNELS`, so one process can
-time both; `bench/gemm.py` compares them shape by shape). These are plain functions without autograd: their
+`BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
+`onednn` (every fp32 CPU product, for a machine where `bench/gemm.py`, which compares them shape by shape, says
+so) or `aten` (PyTorch's own choice everywhere). These are plain functions without autograd: their
 callers are `torch.autograd.Function` forwards and backwards, and no-grad code.
 """
 
@@ -22,35 +25,53 @@ import os
 import torch
 import torch.nn.functional as F
 
-_BACKENDS = ("onednn", "aten")
+_SETTINGS = ("auto", "onednn", "aten")
 
 
 def gemm_backend() -> str:
-    """`BIOS_GEMM` (unset: "onednn"): which library fp32 CPU matmuls against frozen weights use."""
-    value = os.environ.get("BIOS_GEMM", "").strip().lower() or "onednn"
-    if value not in _BACKENDS:
-        raise ValueError(f"BIOS_GEMM must be one of {list(_BACKENDS)} (unset: onednn), got {value!r}")
+    """`BIOS_GEMM` (unset: "auto"): which library fp32 CPU matmuls against frozen weights use."""
+    value = os.environ.get("BIOS_GEMM", "").strip().lower() or "auto"
+    if value not in _SETTINGS:
+        raise ValueError(f"BIOS_GEMM must be one of {list(_SETTINGS)} (unset: auto), got {value!r}")
     return value
 
 
-# Below both, oneDNN's call costs more than it saves (16 rows through a 576 -> 192 projection: 0.74x; 1 row: 0.51x).
-_ONEDNN_MIN_ROWS = 32
+def gemm_library(weight: torch.Tensor) -> str:
+    """Which library multiplies by `weight` (a frozen base weight), for the worker's log."""
+    setting = gemm_backend()
+    if weight.device.type != "cpu":
+        return f"PyTorch's {weight.device.type} matmul"
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available() or setting == "aten":
+        return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
+    if setting == "onednn" or _avx512():
+        return f"oneDNN (BIOS_GEMM={setting}; aten keeps PyTorch's MKL)"
+    return "MKL, and oneDNN for a decode step's wide products (BIOS_GEMM=onednn: oneDNN for all)"
+
+
+# A decode step's few rows: oneDNN only through a large weight (16 rows through a 576 -> 192 projection: 0.74x,
+# through the 49152 x 576 head: 2.07x; with oneDNN held to AVX2 0.64x and 1.69x).
+_DECODE_ROWS = 64
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
 
 
-def gemm_library(weight: torch.Tensor) -> str:
-    """Which library multiplies by `weight` (a frozen base weight) in training passes, for the worker's log."""
-    if weight.device.type != "cpu":
-        return f"PyTorch's {weight.device.type} matmul"
-    if weight.dtype == torch.float32 and torch.backends.mkldnn.is_available() and gemm_backend() == "onednn":
-        return "oneDNN (BIOS_GEMM=aten keeps PyTorch's MKL)"
-    return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
-
-
 def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (gemm_backend() == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and (x.numel() >= _ONEDNN_MIN_ROWS * x.shape[-1] or weight.numel() >= _ONEDNN_MIN_WEIGHT)
-            and torch.backends.mkldnn.is_available())
+    setting = gemm_backend()
+    if not (setting != "aten" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()):
+        return False
+    if setting == "onednn":
+        return True
+    if x.numel() <= _DECODE_ROWS * x.shape[-1]:
+        return weight.numel() >= _ONEDNN_MIN_WEIGHT
+    return _avx512()
+
+
+def _avx512() -> bool:
+    """Whether oneDNN runs its AVX-512 kernels: a training step's products gained 1.10x from them, where its AVX2
+    ones (`ONEDNN_MAX_CPU_ISA=AVX2` on the same CPU) lost to MKL's (the step 0.93x)."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and (limit in ("", "ALL") or "AVX512" in limit
+                                                                     or limit.startswith("AVX10"))
 
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
