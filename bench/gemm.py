@@ -20,14 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bios.kernels.frozen_matmul import onednn_linear  # noqa: E402
 from bios.models import load_base_model  # noqa: E402
 from machine import describe_machine  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def _cases(model_name: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -68,7 +65,8 @@ def main() -> None:
         for label, x, weight in _cases(args.model, dtype):
             flops = 2.0 * x.shape[0] * x.shape[1] * weight.shape[0]
             repeats = max(1, int(2e9 / flops))  # ~10 ms of work per timing at 200 GFLOP/s
-            sides = {"aten": lambda: torch.nn.functional.linear(x, weight), "onednn": lambda: _onednn(x, weight)}
+            sides = {"aten": lambda: torch.nn.functional.linear(x, weight),
+                     "onednn": lambda: onednn_linear(x, weight)}
             times: dict[str, list[float]] = {side: [] for side in sides}
             for side, matmul in sides.items():
                 matmul()  # warm-up

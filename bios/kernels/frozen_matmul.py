@@ -4,18 +4,18 @@ gradient, on the faster of the CPU's two GEMM libraries.
 PyTorch's CPU build sends fp32 matmuls to MKL's sgemm and bf16 ones to oneDNN. On an AMD EPYC (AVX-512,
 torch 2.13.0+cpu, 2 threads) oneDNN's fp32 GEMM ran 1.1-1.2x MKL's on a training step's shapes (512 x 1536 x
 576: 207 vs 178 GFLOP/s; 2048^3: 212 vs 177) and 1.2-2.3x on a decode step's few rows (16 rows through
-SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. With oneDNN held to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products
-still gained (1.1-1.7x) but a training step lost (0.93x). So fp32 CPU tensors go through oneDNN's linear
-(`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for CPU linear layers): a training pass's products
-where oneDNN runs AVX-512, a decode step's few rows through a large weight everywhere; everything else (MKL's
-lower call cost wins on small products; GPUs, bf16, a build without oneDNN) through
-`torch.nn.functional.linear` and `torch.mm` as before. Results agree to fp32 rounding (another summation
-order).
+SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. With oneDNN held to AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products still gained (1.1-1.7x) but
+a training step lost (0.93x). So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`,
+the op Inductor uses for CPU linear layers): a training pass's products where oneDNN runs AVX-512, a decode
+step's few rows through a large weight everywhere; everything else (MKL's lower call cost wins on small
+products; GPUs, bf16, a build without oneDNN) through `torch.nn.functional.linear` and `torch.mm` as before.
+Results agree to fp32 rounding (another summation order).
 
 `BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
 `onednn` (every fp32 CPU product, for a machine where `bench/gemm.py`, which compares them shape by shape, says
-so) or `aten` (PyTorch's own choice everywhere). These are plain functions without autograd: their
-callers are `torch.autograd.Function` forwards and backwards, and no-grad code.
+so) or `aten` (PyTorch's own choice everywhere). These are plain functions without autograd: their callers are
+`torch.autograd.Function` forwards and backwards, and no-grad code.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ def gemm_backend() -> str:
 
 
 def gemm_library(weight: torch.Tensor) -> str:
-    """Which library multiplies by `weight` (a frozen base weight), for the worker's log."""
-    setting = gemm_backend()
+    """Which library multiplies by `weight` (a frozen base weight), for the worker's log: `_onednn`'s rule asked
+    for a training pass's rows and for a decode step's few rows through a wide weight."""
     if weight.device.type != "cpu":
         return f"PyTorch's {weight.device.type} matmul"
-    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available() or setting == "aten":
-        return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
-    if setting == "onednn" or _avx512():
-        return f"oneDNN (BIOS_GEMM={setting}; aten keeps PyTorch's MKL)"
-    return "MKL, and oneDNN for a decode step's wide products (BIOS_GEMM=onednn: oneDNN for all)"
+    if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, weight.numel()):
+        return f"oneDNN (BIOS_GEMM={gemm_backend()}; aten keeps PyTorch's MKL)"
+    if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
+        return "MKL, and oneDNN for a decode step's wide products (BIOS_GEMM=onednn: oneDNN for all)"
+    return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
 
 
 # A decode step's few rows: oneDNN only through a large weight (16 rows through a 576 -> 192 projection: 0.74x,
@@ -54,15 +54,15 @@ _DECODE_ROWS = 64
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements: int) -> bool:
+    """Whether a product of `rows` rows by a weight of `weight_elements` goes to oneDNN (see the module docstring)."""
     setting = gemm_backend()
-    if not (setting != "aten" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()):
+    if setting == "aten" or device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return False
     if setting == "onednn":
         return True
-    if x.numel() <= _DECODE_ROWS * x.shape[-1]:
-        return weight.numel() >= _ONEDNN_MIN_WEIGHT
+    if rows <= _DECODE_ROWS:
+        return weight_elements >= _ONEDNN_MIN_WEIGHT
     return _avx512()
 
 
@@ -74,13 +74,24 @@ def _avx512() -> bool:
                                                                      or limit.startswith("AVX10"))
 
 
+def _routes_to_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype == weight.dtype and _onednn(x.device, x.dtype, x.numel() // x.shape[-1], weight.numel())
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x Wᵀ + b` through oneDNN's linear, whatever the setting (the benches time it against PyTorch's); into
+    `out` if given (oneDNN's op has no out= form: its result is copied, which costs less than its gain on a
+    head's chunk)."""
+    result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return result if out is None else out.copy_(result)
+
+
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given
-    (oneDNN's op has no out= form: its result is copied, which costs less than its gain on a head's chunk)."""
-    if _onednn(x, weight):
-        result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return result if out is None else out.copy_(result)
+    """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given."""
+    if _routes_to_onednn(x, weight):
+        return onednn_linear(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
     return torch.addmm(bias, x, weight.T, out=out) if bias is not None else torch.mm(x, weight.T, out=out)
@@ -88,7 +99,6 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def frozen_input_grad(grad: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`grad W` for grad [rows, out], weight [out, in]: the gradient of `x Wᵀ` with respect to x."""
-    if _onednn(grad, weight):
-        result = torch.ops.mkldnn._linear_pointwise(grad, weight.T, None, "none", [], "")
-        return result if out is None else out.copy_(result)
+    if _routes_to_onednn(grad, weight):
+        return onednn_linear(grad, weight.T, out=out)
     return torch.mm(grad, weight, out=out) if out is not None else grad @ weight
