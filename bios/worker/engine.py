@@ -141,31 +141,37 @@ def _micro_batches(rows: list[_Row], max_tokens_per_pass: int,
     """Consecutive runs of rows, each as long as found whose pass (`positions`: the batch positions it runs,
     padded or packed) fits the budget; a row longer than the budget runs alone.
 
-    Packing never takes more positions than padding, so a run starts as the rows that fit padded (a cheap
-    count), then grows by doubling and halving: a packed layout is computed a few times per pass."""
+    Packing never takes more positions than padding, so a run first grows by the cheap padded count, then by
+    `positions`: a packed layout is computed a few times per pass."""
     batches: list[list[_Row]] = []
     start = 0
     while start < len(rows):
-        fits, longest = start + 1, rows[start].tokens.numel()
-        while fits < len(rows) and (fits + 1 - start) * max(longest, rows[fits].tokens.numel()) <= max_tokens_per_pass:
-            longest = max(longest, rows[fits].tokens.numel())
-            fits += 1
-        step, too_many = 1, None
-        while fits < len(rows):
-            trial = min(fits + step, len(rows))
-            if positions(rows[start:trial]) > max_tokens_per_pass:
-                too_many = trial
-                break
-            fits, step = trial, step * 2
-        while too_many is not None and too_many - fits > 1:
-            middle = (fits + too_many) // 2
-            if positions(rows[start:middle]) <= max_tokens_per_pass:
-                fits = middle
-            else:
-                too_many = middle
+        fits = _longest_run(rows, start, start + 1, max_tokens_per_pass, _padded_positions)
+        if positions is not _padded_positions:
+            fits = _longest_run(rows, start, fits, max_tokens_per_pass, positions)
         batches.append(rows[start:fits])
         start = fits
     return batches
+
+
+def _longest_run(rows: list[_Row], start: int, fits: int, budget: int,
+                 positions: Callable[[list[_Row]], int]) -> int:
+    """An end past `fits` (where `rows[start:fits]` is known to run) such that `rows[start:end]` fits the budget
+    and one more row does not, searched by doubling then halving (exact where `positions` grows with rows)."""
+    step, too_many = 1, None
+    while fits < len(rows):
+        trial = min(fits + step, len(rows))
+        if positions(rows[start:trial]) > budget:
+            too_many = trial
+            break
+        fits, step = trial, step * 2
+    while too_many is not None and too_many - fits > 1:
+        middle = (fits + too_many) // 2
+        if positions(rows[start:middle]) <= budget:
+            fits = middle
+        else:
+            too_many = middle
+    return fits
 
 
 def _padded_positions(rows: list[_Row]) -> int:
