@@ -25,6 +25,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bios.kernels.prepacked import prepacked
+
 _SETTINGS = ("auto", "onednn", "aten")
 
 
@@ -89,7 +91,11 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given."""
+    """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given.
+    Inside `prepacked_weights()` (decode steps) through the weight's prepacked copy where there is one."""
+    copy = prepacked(x, weight) if gemm_backend() != "aten" else None
+    if copy is not None:
+        return onednn_linear(x, copy, bias, out=out)
     if _routes_to_onednn(x, weight):
         return onednn_linear(x, weight, bias, out=out)
     if out is None:

@@ -30,9 +30,11 @@ from transformers import DynamicCache
 
 from bios import spec
 from bios.exceptions import BadRequestError
+from bios.kernels.prepacked import prepacked_weights
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
+from bios.worker.kv_cache import reserve_decode_room
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
@@ -293,7 +295,8 @@ def _decode(
     generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
-    with ExitStack() as adapters_scope:
+    reserve_decode_room(cache, steps)
+    with ExitStack() as adapters_scope, prepacked_weights():
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
             tokens, token_logp = rows.choice.choose(logits, step)
