@@ -35,7 +35,7 @@ import torch
 import bios
 from bios import types
 from bios.kernels.frozen_matmul import frozen_linear
-from bios.kernels.prepacked import prepacked_weights
+from bios.kernels.prepacked import PrepackedWeights
 from bios.models import load_base_model, resolve_model_dir
 from bios.worker.compute_mode import base_dtype
 
@@ -119,7 +119,7 @@ def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: 
     weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights}
     best, setting = float("inf"), os.environ.get("BIOS_GEMM")
-    with torch.inference_mode(), prepacked_weights():
+    with torch.inference_mode(), PrepackedWeights().using():
         for _ in range(rounds):
             for backend in ("aten", "onednn"):
                 os.environ["BIOS_GEMM"] = backend

@@ -1,7 +1,8 @@
-"""Prepacked frozen weights for decode steps (bios.kernels.prepacked): inside `prepacked_weights()` fp32 and
-bf16 products on CPU multiply by a oneDNN-laid-out copy of the weight, made once and kept; the numbers are those
-of the plain weight; nothing is packed outside the block, with `BIOS_PREPACK=off` or `BIOS_GEMM=aten`, or when
-the copy would not fit in memory; a freed weight's copy is no longer counted."""
+"""Prepacked frozen weights for decode steps (bios.kernels.prepacked): inside `PrepackedWeights.using()` fp32
+and bf16 products on CPU multiply by a oneDNN-laid-out copy of the weight, made once and kept across blocks
+until released or until the weight is freed; the numbers are those of the plain weight; nothing is packed
+outside a block, with `BIOS_PREPACK=off` or `BIOS_GEMM=aten`, or past half of the free memory. The worker keeps
+copies across cycles that only sample and releases them before anything else."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import bios.kernels.prepacked as prepacked_module
+from bios import messages as m
+from bios import types
 from bios.kernels.frozen_matmul import frozen_linear, onednn_linear
-from bios.kernels.prepacked import prepacked, prepacked_bytes, prepacked_weights
+from bios.kernels.prepacked import PrepackedWeights, prepacked
 
 
 def _inputs(dtype=torch.float32, rows=16):
@@ -33,71 +36,95 @@ def _defaults(monkeypatch):
 
 def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_numbers():
     x, weight, bias = _inputs()
-    with torch.inference_mode(), prepacked_weights():
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
         first = frozen_linear(x, weight, bias)
         copy = prepacked(x, weight)
-        again = frozen_linear(x[:7], weight, bias)
-        assert prepacked(x[:7], weight) is copy  # made once, kept on the weight
         rows3d = frozen_linear(x[:, None], weight, bias)
-    assert copy is not None and copy.is_mkldnn
+    with torch.inference_mode(), keeper.using():  # the next call reuses it
+        again = frozen_linear(x[:7], weight, bias)
+        assert prepacked(x[:7], weight) is copy
+    assert copy is not None and copy.is_mkldnn and keeper.held_bytes() == weight.numel() * 4
     assert torch.equal(first, onednn_linear(x, weight, bias))  # oneDNN's own numbers, bit for bit
     torch.testing.assert_close(first, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(again, F.linear(x[:7], weight, bias), rtol=1e-5, atol=1e-4)
     assert rows3d.shape == (16, 1, 200)
     torch.testing.assert_close(rows3d[:, 0], first, rtol=1e-5, atol=1e-4)
+    keeper.release()
+    assert keeper.held_bytes() == 0
+    with torch.inference_mode(), keeper.using():
+        assert prepacked(x, weight) is not copy
 
 
 def test_bf16_decode_products_agree_with_pytorchs():
     x, weight, bias = _inputs(torch.bfloat16)
-    with torch.inference_mode(), prepacked_weights():
+    with torch.inference_mode(), PrepackedWeights().using():
         result = frozen_linear(x, weight, bias)
         assert prepacked(x, weight) is not None
     torch.testing.assert_close(result.float(), F.linear(x.float(), weight.float(), bias.float()), rtol=2e-2,
                                atol=0.25)
 
 
-def test_a_weight_changed_in_place_gets_a_new_copy():
-    x, weight, _ = _inputs()
-    with torch.inference_mode(), prepacked_weights():
-        old = prepacked(x, weight)
-        weight.mul_(2)
-        new = prepacked(x, weight)
-        result = frozen_linear(x, weight)
-    assert new is not old
-    torch.testing.assert_close(result, F.linear(x, weight), rtol=1e-5, atol=1e-4)
-
-
-def test_nothing_is_packed_outside_the_block_when_off_or_for_aten(monkeypatch):
+def test_nothing_is_packed_outside_a_block_when_off_or_for_aten(monkeypatch):
     x, weight, bias = _inputs()
-    assert prepacked(x, weight) is None  # outside prepacked_weights()
-    monkeypatch.setenv("BIOS_PREPACK", "off")
-    with prepacked_weights():
-        assert prepacked(x, weight) is None
-    monkeypatch.setenv("BIOS_PREPACK", "auto")
+    keeper = PrepackedWeights()
+    assert prepacked(x, weight) is None  # outside any block
     monkeypatch.setenv("BIOS_GEMM", "aten")
-    with torch.inference_mode(), prepacked_weights():
-        frozen_linear(x, weight, bias)
-    assert not hasattr(weight, "_bios_prepacked")
+    with torch.inference_mode(), keeper.using():
+        torch.testing.assert_close(frozen_linear(x, weight, bias), F.linear(x, weight, bias))
+    assert keeper.held_bytes() == 0
+    monkeypatch.delenv("BIOS_GEMM")
+    with keeper.using():
+        prepacked(x, weight)
+    assert keeper.held_bytes() > 0
+    monkeypatch.setenv("BIOS_PREPACK", "off")  # drops what was kept, makes nothing
+    with keeper.using():
+        assert prepacked(x, weight) is None
+    assert keeper.held_bytes() == 0
     monkeypatch.setenv("BIOS_PREPACK", "sometimes")
-    with pytest.raises(ValueError, match="BIOS_PREPACK must be 'auto' or 'off'"), prepacked_weights():
+    with pytest.raises(ValueError, match="BIOS_PREPACK must be 'auto' or 'off'"), keeper.using():
         pass
 
 
-def test_a_copy_that_would_not_fit_in_memory_is_not_made(monkeypatch):
+def test_copies_take_at_most_half_the_free_memory(monkeypatch):
     x, weight, bias = _inputs()
-    tight = SimpleNamespace(total=1 << 40, available=weight.numel() * weight.element_size())  # under 2x the copy
-    monkeypatch.setattr(prepacked_module.psutil, "virtual_memory", lambda: tight)
-    with torch.inference_mode(), prepacked_weights():
-        assert prepacked(x, weight) is None
-        torch.testing.assert_close(frozen_linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    nbytes = weight.numel() * weight.element_size()
+    other = torch.randn(200, 96)
+    monkeypatch.setattr(prepacked_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=3 * nbytes))
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
+        assert prepacked(x, weight) is not None  # 1 of 1.5 copies' room
+        assert prepacked(x, other) is None
+        torch.testing.assert_close(frozen_linear(x, other, bias), F.linear(x, other, bias), rtol=1e-5, atol=1e-4)
+    assert keeper.held_bytes() == nbytes
 
 
-def test_a_freed_weights_copy_is_no_longer_counted():
+def test_a_freed_weights_copy_goes_with_it():
     x, weight, _ = _inputs()
-    before = prepacked_bytes()
-    with torch.inference_mode(), prepacked_weights():
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
         prepacked(x, weight)
-    assert prepacked_bytes() == before + weight.numel() * 4
+    assert keeper.held_bytes() == weight.numel() * 4
     del weight
     gc.collect()
-    assert prepacked_bytes() == before
+    assert keeper.held_bytes() == 0
+
+
+def test_the_worker_keeps_copies_across_cycles_that_only_sample_and_releases_them_before_other_work():
+    from bios.worker.executor import CycleExecutor
+    from bios.worker.pool import ModelPool
+
+    executor = CycleExecutor(ModelPool(device=torch.device("cpu")), group=SimpleNamespace(tp=1))  # no collective
+    x, weight, _ = _inputs()
+    with executor.prepacked.using():
+        prepacked(x, weight)
+    reports = []
+    sample = m.Sample("session", 0, types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1),
+                      base_model="not-loaded")
+    executor.run(m.RunCycle(1, 0, [m.WorkItem("sample", sample)]), reports.append)
+    assert reports[-1].request_id == "sample" and reports[-1].error  # failed alone: no such base model here
+    assert executor.prepacked.held_bytes() == weight.numel() * 4
+    step = m.OptimStep("run-not-here", 0, types.AdamParams())
+    executor.run(m.RunCycle(2, 0, [m.WorkItem("step", step)]), reports.append)
+    assert reports[-1].request_id == "step"
+    assert executor.prepacked.held_bytes() == 0

@@ -92,7 +92,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given.
-    Inside `prepacked_weights()` (decode steps) through the weight's prepacked copy where there is one."""
+    Inside a `PrepackedWeights.using()` block (decode steps) through the weight's prepacked copy if it has one."""
     copy = prepacked(x, weight) if gemm_backend() != "aten" else None
     if copy is not None:
         return onednn_linear(x, copy, bias, out=out)

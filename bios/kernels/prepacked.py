@@ -1,15 +1,18 @@
-"""Frozen weights kept in oneDNN's own blocked layout for decode steps on CPU.
+"""Frozen weights in oneDNN's own blocked layout for the sampler's decode steps on CPU.
 
 oneDNN's linear reorders a plain [out, in] weight into its blocked layout on every call; for a decode step's
 few rows that reorder is a large part of the product (16 rows, AMD EPYC, 2 threads: SmolLM2's 60 gate/up
 projections 19.8 -> 15.7 ms in fp32, 15.5 -> 8.0 ms in bf16; its 49152 x 576 head 10.1 -> 6.5 ms), and a
-sampling step is little more than those products. `prepacked_weights()` (entered by the sampler around its
-decode steps) lets `frozen_matmul` multiply by a reordered copy of each weight, made on first use
-(`torch.ops.mkldnn._reorder_linear_weight`, the reorder Inductor's frozen CPU graphs use) and kept on the weight
-for later steps. The results are oneDNN's own, bit for bit those of the plain weight for 5 or more rows.
+sampling step is little more than those products. Inside a `PrepackedWeights.using()` block (the sampler's
+decode loop) `frozen_matmul` multiplies by a reordered copy of each weight (`torch.ops.mkldnn._reorder_linear_weight`, the
+reorder Inductor's frozen CPU graphs use), made on first use: one reorder per weight, against one per
+product. The results are oneDNN's own, bit for bit those of the plain weight for 5 or more rows.
 
-A copy costs the weight's size again, so copies are made only while they stay within a quarter of the machine's
-memory and half of what is free when each is made; the rest multiply as before. `BIOS_PREPACK=off` makes none.
+A copy costs its weight's size again and, in fp32, time: SmolLM2's take ~0.7 s to make (mostly first touches
+of fresh pages), ~12 ms of each of 64 decode steps if remade every call. So a `PrepackedWeights` keeps them
+from one sampling call to the next, making new ones within half of the memory free when a call starts, until
+its owner (the worker's cycle executor) releases them before a training pass needs the memory. A copy goes
+with its weight when the model is dropped. `BIOS_PREPACK=off` makes none.
 """
 
 from __future__ import annotations
@@ -19,61 +22,84 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import psutil
 import torch
 
-_ACTIVE: ContextVar[bool] = ContextVar("bios_prepacked_weights", default=False)
-_ATTRIBUTE = "_bios_prepacked"  # on the weight: ((data pointer, version), prepacked copy)
 _DTYPES = (torch.float32, torch.bfloat16)
-# The rows oneDNN lays the copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
+# The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
 _ROWS_HINT = 16
-_held: dict[int, int] = {}  # id(weight) -> bytes of its copy, while the weight lives
+
+
+class PrepackedWeights:
+    """Prepacked copies of frozen weights, made inside `using()` blocks and kept from one block to the next until
+    `release()` (or until their weight is freed). Their owner releases them before anything else needs the
+    memory: the worker's cycle executor before a training pass."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}  # id(weight) -> (weight, copy, bytes)
+
+    @contextmanager
+    def using(self) -> Iterator[None]:
+        """Within this block `prepacked(x, weight)` returns copies, making new ones within half of the memory
+        free when it starts."""
+        if prepack_setting() == "off":
+            self.release()
+            block = None
+        else:
+            block = _Block(self, psutil.virtual_memory().available // 2)
+        token = _BLOCK.set(block)
+        try:
+            yield
+        finally:
+            _BLOCK.reset(token)
+
+    def release(self) -> None:
+        self._copies.clear()
+
+    def held_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self._copies.values())
+
+    def _copy(self, weight: torch.Tensor, room: int) -> tuple[torch.Tensor | None, int]:
+        """(the copy of `weight`, made now if none and it fits in `room`, or None; the room left)."""
+        held = self._copies.get(id(weight))
+        if held is not None and held[0]() is weight:
+            return held[1], room
+        nbytes = weight.numel() * weight.element_size()
+        if nbytes > room:
+            return None, room
+        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
+        key = id(weight)
+        self._copies[key] = (weakref.ref(weight, lambda _, key=key: self._copies.pop(key, None)), copy, nbytes)
+        return copy, room - nbytes
+
+
+@dataclass
+class _Block:
+    keeper: PrepackedWeights
+    room: int  # bytes more copies may take in this block
+
+
+_BLOCK: ContextVar[_Block | None] = ContextVar("bios_prepacked_weights", default=None)
 
 
 def prepack_setting() -> str:
-    """`BIOS_PREPACK` (unset: "auto"): whether decode steps may keep prepacked copies of frozen weights."""
+    """`BIOS_PREPACK` (unset: "auto"): whether decode steps multiply by prepacked copies of frozen weights."""
     value = os.environ.get("BIOS_PREPACK", "").strip().lower() or "auto"
     if value not in ("auto", "off"):
         raise ValueError(f"BIOS_PREPACK must be 'auto' or 'off' (unset: auto), got {value!r}")
     return value
 
 
-@contextmanager
-def prepacked_weights() -> Iterator[None]:
-    """Within this block (a sampler's decode steps), `prepacked(weight)` may make and return prepacked copies."""
-    token = _ACTIVE.set(prepack_setting() == "auto")
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def prepacked_bytes() -> int:
-    """Bytes held by the prepacked copies of weights that are still alive (the worker's log)."""
-    return sum(_held.values())
-
-
 def prepacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The prepacked copy of `weight` to multiply `x` by inside `prepacked_weights()`, made now if need be;
-    None outside it, off the CPU, for other dtypes, or when the copy would not fit."""
-    if not _ACTIVE.get() or not _eligible(x, weight):
+    """The prepacked copy of `weight` to multiply `x` by inside a `PrepackedWeights.using()` block, made now if
+    need be; None outside one, off the CPU, for other dtypes, or once the block's room is used up."""
+    block = _BLOCK.get()
+    if block is None or not _eligible(x, weight):
         return None
-    key = (weight.data_ptr(), weight._version)
-    cached = getattr(weight, _ATTRIBUTE, None)
-    if cached is not None:
-        if cached[0] == key:
-            return cached[1]
-        delattr(weight, _ATTRIBUTE)  # the weight changed in place: its copy is stale
-        _held.pop(id(weight), None)
-    nbytes = weight.numel() * weight.element_size()
-    if not _fits(nbytes):
-        return None
-    copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
-    setattr(weight, _ATTRIBUTE, (key, copy))
-    _held[id(weight)] = nbytes
-    weakref.finalize(weight, _held.pop, id(weight), None)
+    copy, block.room = block.keeper._copy(weight, block.room)
     return copy
 
 
@@ -81,8 +107,3 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
             and weight.dtype in _DTYPES and weight.dim() == 2 and not weight.requires_grad
             and torch.backends.mkldnn.is_available())
-
-
-def _fits(nbytes: int) -> bool:
-    memory = psutil.virtual_memory()
-    return prepacked_bytes() + nbytes <= memory.total // 4 and nbytes <= memory.available // 2

@@ -29,6 +29,7 @@ from bios import messages as m
 from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.exceptions import BadRequestError
+from bios.kernels.prepacked import PrepackedWeights
 
 from . import engine
 from .adapter import AdapterState
@@ -81,6 +82,7 @@ class CycleExecutor:
         self.pool = pool
         self.group = group
         self.grad_norms: dict[str, float] = {}  # whole-adapter norm of each committed gradient (sharded adapters)
+        self.prepacked = PrepackedWeights()  # the sampler's weight copies, kept across cycles that only sample
 
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
@@ -90,6 +92,8 @@ class CycleExecutor:
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
         closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
+        if len(samples) < len(cycle.items):
+            self.prepacked.release()  # training passes, loads and saves get their memory back
         touched: set[str] = set()
         try:
             for item in creates:
@@ -341,7 +345,8 @@ class CycleExecutor:
             try:
                 responses = generate(base.model, base.tokenizer, [s for _, s in group],
                                      eos_token_id=base.info.eos_token_id,
-                                     images=image_reader(base.info, base.image_processor))
+                                     images=image_reader(base.info, base.image_processor),
+                                     prepacked=self.prepacked)
             except TensorParallelError:
                 raise
             except Exception as exc:

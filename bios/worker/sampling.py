@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from bios import spec
 from bios.exceptions import BadRequestError
-from bios.kernels.prepacked import prepacked_weights
+from bios.kernels.prepacked import PrepackedWeights
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
@@ -140,9 +140,11 @@ def generate(
     *,
     eos_token_id: int | None,
     images: ImageReader | None = None,
+    prepacked: PrepackedWeights | None = None,
 ) -> list[SampleResponse]:
     """Sample every item (all rows in one batch); one `SampleResponse` per item, in order. A vision-language
-    model's prompts with images need its `images` reader.
+    model's prompts with images need its `images` reader. Decode steps multiply by `prepacked`'s copies of the
+    frozen weights (kept for the next call; default: copies made for this call only).
 
     Raises `BadRequestError` (before any compute) if an item cannot run on this model. `tokenizer` is only
     used to decode text for stop strings.
@@ -167,7 +169,8 @@ def generate(
     attach_lora(model)
     use_bios_attention(model)
     with torch.inference_mode():
-        return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images)
+        return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images,
+                         prepacked=prepacked or PrepackedWeights())
 
 
 def _shared_prompts(ordered: list[SampleItem]) -> tuple[list[int], list[int]]:
@@ -201,6 +204,7 @@ def _generate(
     eos_token_id: int | None,
     context: int,
     reader: ImageReader | None,
+    prepacked: PrepackedWeights,
 ) -> list[SampleResponse]:
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
@@ -216,9 +220,10 @@ def _generate(
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
-    tokens, logprobs, finished_at, stopped = _decode(
-        model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
-    )
+    with prepacked.using():
+        tokens, logprobs, finished_at, stopped = _decode(
+            model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
+        )
     return _responses(
         items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}
     )
@@ -296,7 +301,7 @@ def _decode(
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
     reserve_decode_room(cache, steps)
-    with ExitStack() as adapters_scope, prepacked_weights():
+    with ExitStack() as adapters_scope:
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
             tokens, token_logp = rows.choice.choose(logits, step)
