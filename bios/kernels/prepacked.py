@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import cache
 
 import psutil
 import torch
 
-_DTYPES = (torch.float32, torch.bfloat16)
 # The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
 _ROWS_HINT = 16
@@ -105,5 +105,13 @@ def prepacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and weight.dtype in _DTYPES and weight.dim() == 2 and not weight.requires_grad
-            and torch.backends.mkldnn.is_available())
+            and weight.dim() == 2 and not weight.requires_grad and weight.dtype in _supported_dtypes())
+
+
+@cache
+def _supported_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 wherever PyTorch has oneDNN; bf16 only where oneDNN runs it (AVX-512 or AVX-NE-CONVERT: an AVX2-only
+    CPU, or one held to AVX2 by `ONEDNN_MAX_CPU_ISA`, refuses to reorder a bf16 weight)."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)

@@ -5,7 +5,9 @@ none), prompt, sample count and `SamplingParams`. Each request's prompt is prefi
 an attention mask and position ids that skip the pads) and its cache is repeated for its samples; then one
 decode step per token runs all unfinished rows together, rows of one adapter contiguous so each LoRA layer
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
-it is done, so long-running samples do not drag finished ones along.
+it is done, so long-running samples do not drag finished ones along. The cache gets room for the decode steps
+up front (`kv_cache.reserve_decode_room`: one position written per step, not the whole cache copied), and on
+CPU the steps multiply by prepacked copies of the frozen weights (`bios.kernels.prepacked`).
 
 How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
 `bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
