@@ -56,6 +56,21 @@ def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_number
         assert prepacked(x, weight) is not copy
 
 
+def test_a_view_taken_anew_each_call_reuses_its_copy():
+    x, weight, _ = _inputs()
+    stored = weight.T.contiguous()  # stored [in, out], as GPT-2's Conv1D does; it multiplies by `stored.T`
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
+        first = prepacked(x, stored.T)
+        assert prepacked(x, stored.T) is first
+        result = frozen_linear(x, stored.T)
+    assert keeper.held_bytes() == weight.numel() * 4
+    torch.testing.assert_close(result, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    del stored
+    gc.collect()
+    assert keeper.held_bytes() == 0
+
+
 def test_bf16_decode_products_agree_with_pytorchs_and_are_packed_only_where_onednn_runs_bf16():
     x, weight, bias = _inputs(torch.bfloat16)
     with torch.inference_mode(), PrepackedWeights().using():

@@ -39,7 +39,9 @@ class PrepackedWeights:
     memory: the worker's cycle executor before a training pass."""
 
     def __init__(self) -> None:
-        self._copies: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}  # id(weight) -> (weight, copy, bytes)
+        # (id of the weight's owner, its view) -> (owner, copy, bytes). The owner is the tensor a view was taken
+        # of (GPT-2's Conv1D passes `weight.T`, a new view each call), else the weight itself.
+        self._copies: dict[tuple, tuple[weakref.ref, torch.Tensor, int]] = {}
 
     @contextmanager
     def using(self) -> Iterator[None]:
@@ -64,15 +66,16 @@ class PrepackedWeights:
 
     def _copy(self, weight: torch.Tensor, room: int) -> tuple[torch.Tensor | None, int]:
         """(the copy of `weight`, made now if none and it fits in `room`, or None; the room left)."""
-        held = self._copies.get(id(weight))
-        if held is not None and held[0]() is weight:
+        owner = weight if weight._base is None else weight._base
+        key = (id(owner), tuple(weight.shape), weight.stride(), weight.storage_offset())
+        held = self._copies.get(key)
+        if held is not None and held[0]() is owner:
             return held[1], room
         nbytes = weight.numel() * weight.element_size()
         if nbytes > room:
             return None, room
         copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
-        key = id(weight)
-        self._copies[key] = (weakref.ref(weight, lambda _, key=key: self._copies.pop(key, None)), copy, nbytes)
+        self._copies[key] = (weakref.ref(owner, lambda _, key=key: self._copies.pop(key, None)), copy, nbytes)
         return copy, room - nbytes
 
 
