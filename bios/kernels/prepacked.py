@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from functools import cache
 
 import psutil
@@ -42,6 +41,7 @@ class PrepackedWeights:
         # (id of the weight's owner, its view) -> (owner, copy, bytes). The owner is the tensor a view was taken
         # of (GPT-2's Conv1D passes `weight.T`, a new view each call), else the weight itself.
         self._copies: dict[tuple, tuple[weakref.ref, torch.Tensor, int]] = {}
+        self._room = 0  # bytes more copies may take in the current `using()` block
 
     @contextmanager
     def using(self) -> Iterator[None]:
@@ -49,14 +49,14 @@ class PrepackedWeights:
         free when it starts."""
         if prepack_setting() == "off":
             self.release()
-            block = None
+            token = _ACTIVE.set(None)
         else:
-            block = _Block(self, psutil.virtual_memory().available // 2)
-        token = _BLOCK.set(block)
+            self._room = psutil.virtual_memory().available // 2
+            token = _ACTIVE.set(self)
         try:
             yield
         finally:
-            _BLOCK.reset(token)
+            _ACTIVE.reset(token)
 
     def release(self) -> None:
         self._copies.clear()
@@ -64,28 +64,23 @@ class PrepackedWeights:
     def held_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self._copies.values())
 
-    def _copy(self, weight: torch.Tensor, room: int) -> tuple[torch.Tensor | None, int]:
-        """(the copy of `weight`, made now if none and it fits in `room`, or None; the room left)."""
+    def _copy(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The copy of `weight`, made now if it has none and one fits in this block's room; else None."""
         owner = weight if weight._base is None else weight._base
         key = (id(owner), tuple(weight.shape), weight.stride(), weight.storage_offset())
         held = self._copies.get(key)
         if held is not None and held[0]() is owner:
-            return held[1], room
+            return held[1]
         nbytes = weight.numel() * weight.element_size()
-        if nbytes > room:
-            return None, room
+        if nbytes > self._room:
+            return None
         copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
         self._copies[key] = (weakref.ref(owner, lambda _, key=key: self._copies.pop(key, None)), copy, nbytes)
-        return copy, room - nbytes
+        self._room -= nbytes
+        return copy
 
 
-@dataclass
-class _Block:
-    keeper: PrepackedWeights
-    room: int  # bytes more copies may take in this block
-
-
-_BLOCK: ContextVar[_Block | None] = ContextVar("bios_prepacked_weights", default=None)
+_ACTIVE: ContextVar[PrepackedWeights | None] = ContextVar("bios_prepacked_weights", default=None)
 
 
 def prepack_setting() -> str:
@@ -99,11 +94,10 @@ def prepack_setting() -> str:
 def prepacked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """The prepacked copy of `weight` to multiply `x` by inside a `PrepackedWeights.using()` block, made now if
     need be; None outside one, off the CPU, for other dtypes, or once the block's room is used up."""
-    block = _BLOCK.get()
-    if block is None or not _eligible(x, weight):
+    keeper = _ACTIVE.get()
+    if keeper is None or not _eligible(x, weight):
         return None
-    copy, block.room = block.keeper._copy(weight, block.room)
-    return copy
+    return keeper._copy(weight)
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
