@@ -9,6 +9,7 @@
 
     python bench/sampling.py [--model smollm2] [--requests 16] [--tokens 64] [--rounds 5]
     BIOS_BASE_DTYPE=float32 python bench/sampling.py
+    BIOS_BASE_DTYPE=float32 python bench/sampling.py --adapter fresh   # 1. through a LoRA adapter (PEFT's)
 
 Both sides sample at temperature 1 with a KV cache and never stop early (`stop=[]` / no EOS), so they produce
 the same number of tokens.
@@ -82,22 +83,42 @@ async def bios_sample(model_name: str, prompts: list[list[int]], tokens: int) ->
     return generated / elapsed, statistics.median(latencies)
 
 
+# Where `--adapter` puts rank-16 LoRA on the reference: every linear layer and the head, as Bios's default.
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
 async def one_prompt_many_samples(model_name: str, prompt: list[int], samples: int, tokens: int, *, rounds: int,
-                                  device: torch.device, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+                                  device: torch.device, dtype: torch.dtype,
+                                  adapter: str | None = None) -> tuple[list[float], list[float]]:
     """Tokens/s per round of one batched HF `generate(num_return_sequences=samples)` and of one Bios
-    `sample(num_samples=samples)` of `prompt`, rounds alternating after a warm-up of each."""
+    `sample(num_samples=samples)` of `prompt`, rounds alternating after a warm-up of each.
+
+    `adapter` samples through a rank-16 LoRA adapter on both sides (PEFT on the reference): "kept", one
+    snapshot of it for every round (a served adapter); "fresh", a new snapshot each round, saved outside the
+    timing (RL's loop, where every sampling call follows a training step and nothing made for the last
+    snapshot is of use)."""
     model = load_base_model(model_name, device=device, dtype=dtype).model
+    if adapter is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=PEFT_TARGETS))
     ids = torch.tensor([prompt], device=device)
     kwargs = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0, "num_return_sequences": samples,
               "pad_token_id": 0}
     params = types.SamplingParams(max_tokens=tokens, temperature=1.0, stop=[])
     hf_rates, bios_rates = [], []
     with bios.ServiceClient() as service:
-        sampler = await service.create_sampling_client_async(base_model=model_name)
+        if adapter is None:
+            sampler = await service.create_sampling_client_async(base_model=model_name)
+        else:
+            training = await service.create_lora_training_client_async(base_model=model_name, rank=16)
+            sampler = await training.save_weights_and_get_sampling_client_async()
         await sampler.sample_async(types.ModelInput.from_ints(prompt), samples, params)  # warm-up: loads the model
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=4, **kwargs)
         for _ in range(rounds):
+            if adapter == "fresh":
+                sampler = await training.save_weights_and_get_sampling_client_async()
             _sync(device)
             started = time.perf_counter()
             with torch.inference_mode():
@@ -145,6 +166,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the one-prompt comparison")
+    parser.add_argument("--adapter", choices=["kept", "fresh"],
+                        help="the one-prompt comparison through a rank-16 adapter (PEFT on the reference): one "
+                             "snapshot for all rounds, or a new one each round as in RL; skips the rest")
     args = parser.parse_args()
     resolve_model_dir(args.model)
     tokenizer = load_base_model(args.model).tokenizer
@@ -156,7 +180,16 @@ def main() -> None:
           f"sequence, temperature 1", flush=True)
     one_prompt = [token for prompt in prompts for token in prompt][:50]
     hf_rates, bios_rates = asyncio.run(one_prompt_many_samples(args.model, one_prompt, args.requests, args.tokens,
-                                                               rounds=args.rounds, device=device, dtype=dtype))
+                                                               rounds=args.rounds, device=device, dtype=dtype,
+                                                               adapter=args.adapter))
+    if args.adapter is not None:
+        hf_one, bios_one = statistics.median(hf_rates), statistics.median(bios_rates)
+        print(f"rank-16 adapter on every linear layer and the head ({args.adapter} snapshot), {args.requests} "
+              f"samples of one {len(one_prompt)}-token prompt: HF generate + PEFT {hf_one:.1f} tok/s, bios "
+              f"{bios_one:.1f} tok/s, {bios_one / hf_one:.2f}x (rounds: "
+              + " ".join(f"{b / h:.2f}" for b, h in zip(bios_rates, hf_rates)) + ")")
+        print(f"\n(after the run) {describe_machine()}")
+        return
     floor = decode_matmul_floor(args.model, args.requests, dtype)
     ref_rate, ref_latency = hf_generate(args.model, prompts, args.tokens, dtype)
     rate, latency = asyncio.run(bios_sample(args.model, prompts, args.tokens))

@@ -2,7 +2,8 @@
 and bf16 products on CPU multiply by a oneDNN-laid-out copy of the weight, made once and kept across blocks
 until released or until the weight is freed; the numbers are those of the plain weight; nothing is packed
 outside a block, with `BIOS_PREPACK=off` or `BIOS_GEMM=aten`, or past half of the free memory. The worker keeps
-copies across cycles that only sample and releases them before anything else."""
+copies across cycles that only sample and releases them before anything else. A decode step whose rows all use
+one fp32 adapter multiplies by one copy of `W + scale·B·A`, remade when the adapter changes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 import bios.kernels.prepacked as prepacked_module
 from bios import messages as m
 from bios import types
-from bios.kernels.frozen_matmul import frozen_linear, onednn_linear
+from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear
 from bios.kernels.prepacked import PrepackedWeights, prepacked
 
 
@@ -144,3 +145,87 @@ def test_the_worker_keeps_copies_across_cycles_that_only_sample_and_releases_the
     executor.run(m.RunCycle(2, 0, [m.WorkItem("step", step)]), reports.append)
     assert reports[-1].request_id == "step"
     assert executor.prepacked.held_bytes() == 0
+
+
+def _factors(weight, rank=4):
+    generator = torch.Generator().manual_seed(1)
+    lora_a = torch.randn(rank, weight.shape[1], generator=generator).to(weight.dtype)
+    lora_b = torch.randn(weight.shape[0], rank, generator=generator).to(weight.dtype)
+    return lora_a, lora_b
+
+
+def test_one_adapters_rows_multiply_by_a_merged_copy_remade_when_the_adapter_changes():
+    x, weight, bias = _inputs()
+    lora_a, lora_b = _factors(weight)
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
+        assert merged_linear(x, weight, bias, lora_a, lora_b, 0.5) is None  # only in blocks opened to merge
+    with torch.inference_mode(), keeper.using(merge=True):
+        merged = merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
+        copy = prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5)
+        assert prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5) is copy
+        assert prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=2.0) is not copy  # another scale
+        base = prepacked(x, weight)  # the base model's copy is another one
+    expected = F.linear(x, weight, bias) + 0.5 * (x @ lora_a.T) @ lora_b.T
+    torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-4)
+    assert base is not copy and keeper.held_bytes() == 3 * weight.numel() * 4
+    with torch.inference_mode():
+        lora_b.mul_(-1)  # an optimizer step changes the factors in place
+        with keeper.using(merge=True):
+            changed = merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
+            assert prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5) is not copy
+    torch.testing.assert_close(changed, F.linear(x, weight, bias) + 0.5 * (x @ lora_a.T) @ lora_b.T, rtol=1e-5,
+                               atol=1e-4)
+    assert not torch.allclose(changed, merged)
+    # the old version's copy was replaced, the other scale's dropped (not used in the block)
+    assert keeper.held_bytes() == 2 * weight.numel() * 4
+    other_a, other_b = _factors(weight, rank=2)
+    with torch.inference_mode(), keeper.using(merge=True):
+        merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
+    assert keeper.held_bytes() == 2 * weight.numel() * 4  # kept while used
+    with torch.inference_mode(), keeper.using(merge=True):
+        merged_linear(x, weight, bias, other_a, other_b, 0.5)
+    assert keeper.held_bytes() == 2 * weight.numel() * 4  # another adapter's block dropped those not used in it
+    del other_a
+    gc.collect()
+    assert keeper.held_bytes() == weight.numel() * 4  # the adapter's copies went with it; the base's stays
+
+
+def test_merged_copies_only_in_fp32_and_only_inside_a_block(monkeypatch):
+    x, weight, bias = _inputs()
+    lora_a, lora_b = _factors(weight)
+    assert merged_linear(x, weight, bias, lora_a, lora_b, 1.0) is None  # outside a block
+    low = [t.to(torch.bfloat16) for t in (x, weight, bias, lora_a, lora_b)]
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using(merge=True):
+        assert merged_linear(*low, 1.0) is None  # bf16 would round a small update away
+        monkeypatch.setenv("BIOS_GEMM", "aten")
+        assert merged_linear(x, weight, bias, lora_a, lora_b, 1.0) is None
+    assert keeper.held_bytes() == 0
+
+
+def test_lora_layers_merge_only_when_one_adapter_has_every_row():
+    from bios.worker.lora import LoraSegment, lora_forward
+
+    x, weight, bias = _inputs(rows=8)
+    lora_a, lora_b = _factors(weight)
+    other_a, other_b = _factors(weight, rank=2)
+
+    def expected(segments):
+        out = F.linear(x, weight, bias)
+        for s in segments:
+            out[s.start:s.end] += s.scale * (x[s.start:s.end] @ s.lora_a.T) @ s.lora_b.T
+        return out
+
+    whole = [LoraSegment(0, 8, lora_a, lora_b, 2.0)]
+    split = [LoraSegment(0, 3, lora_a, lora_b, 2.0), LoraSegment(3, 8, other_a, other_b, 1.0)]
+    part = [LoraSegment(2, 8, lora_a, lora_b, 2.0)]
+    keeper = PrepackedWeights()
+    for segments, merged in ((split, False), (part, False), (whole, True)):
+        with torch.inference_mode(), keeper.using(merge=True):
+            result = lora_forward(x, weight, bias, segments)
+            held = keeper.held_bytes()
+            prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)  # adds a copy unless lora_forward made it
+            assert (keeper.held_bytes() == held) == merged
+        torch.testing.assert_close(result, expected(segments), rtol=1e-5, atol=1e-4)
+        keeper.release()

@@ -324,3 +324,38 @@ def test_frozen_copy_samples_like_its_source_and_ignores_later_training(model, t
         adapter.params.mul_(2.0)
     assert run(model, tokenizer, items(snapshot))[0].sequences[0] == before
     assert run(model, tokenizer, items(adapter))[0].sequences[0].tokens != before.tokens
+
+
+def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_same_results(model, tokenizer,
+                                                                                         monkeypatch):
+    """fp32 decode steps whose rows all use one adapter, for enough steps to repay the copies, multiply by
+    prepacked copies of W + scale·B·A: the same tokens and logprobs (to fp32 rounding) as the plain path."""
+    from bios.kernels.prepacked import PrepackedWeights, prepacked
+
+    monkeypatch.delenv("BIOS_PREPACK", raising=False)
+    model = model.float()
+    adapter = perturbed_adapter(model, "a", seed=6)
+    name = "model.layers.0.self_attn.q_proj"
+    weight, (lora_a, lora_b) = model.get_submodule(name).weight, adapter.lora_pair(name)
+
+    def holds_merged_copy(keeper) -> bool:
+        held = keeper.held_bytes()
+        with torch.inference_mode(), keeper.using(merge=True):
+            prepacked(torch.zeros(1, weight.shape[1]), weight, lora_a=lora_a, lora_b=lora_b, scale=adapter.scale)
+            return keeper.held_bytes() == held  # (on leaving, the block drops the merged copies it did not use)
+
+    long = SampleItem(adapter, PROMPTS[1], 3, SamplingParams(max_tokens=40, seed=2, stop=[]))
+    keeper = PrepackedWeights()
+    merged = generate(model, tokenizer, [long], eos_token_id=EOS, prepacked=keeper)[0]
+    assert holds_merged_copy(keeper)
+    monkeypatch.setenv("BIOS_PREPACK", "off")
+    plain = generate(model, tokenizer, [long], eos_token_id=EOS)[0]
+    assert [s.tokens for s in merged.sequences] == [s.tokens for s in plain.sequences]
+    for s_merged, s_plain in zip(merged.sequences, plain.sequences):
+        torch.testing.assert_close(torch.tensor(s_merged.logprobs), torch.tensor(s_plain.logprobs), rtol=1e-4,
+                                   atol=1e-4)
+    monkeypatch.delenv("BIOS_PREPACK")
+    short = SampleItem(adapter, PROMPTS[1], 3, SamplingParams(max_tokens=8, seed=2, stop=[]))
+    keeper = PrepackedWeights()
+    generate(model, tokenizer, [short], eos_token_id=EOS, prepacked=keeper)
+    assert not holds_merged_copy(keeper)  # too few steps to repay them

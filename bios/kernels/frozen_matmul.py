@@ -103,6 +103,17 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.addmm(bias, x, weight.T, out=out) if bias is not None else torch.mm(x, weight.T, out=out)
 
 
+def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`x (W + scale·B·A)ᵀ + b` through a prepacked copy of the merged weight inside a `PrepackedWeights.using()`
+    block (a decode step whose rows all use one adapter); None where there is no such copy (outside a block,
+    not fp32, `BIOS_GEMM=aten`, no room): the caller then adds the low-rank product itself."""
+    if gemm_backend() == "aten":
+        return None
+    copy = prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=scale)
+    return None if copy is None else onednn_linear(x, copy, bias)
+
+
 def frozen_input_grad(grad: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`grad W` for grad [rows, out], weight [out, in]: the gradient of `x Wᵀ` with respect to x."""
     if _routes_to_onednn(grad, weight):

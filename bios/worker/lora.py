@@ -24,7 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
-from bios.kernels.frozen_matmul import frozen_linear, gemm_library
+from bios.kernels.frozen_matmul import frozen_linear, gemm_library, merged_linear
 from bios.kernels.grad_wanted import grad_wanted
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
@@ -58,7 +58,8 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     The update is added in place onto the base output, so besides the base matmul only `x` and the small
     `x Aᵀ` are kept for backward (no dropout: it would force an activation-sized copy of `x`). Several
     adapters loop over their row ranges rather than gathering a weight copy per row. With kernels on,
-    `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries.
+    `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries, and a decode
+    step whose rows all use one adapter multiplies by a prepacked copy of `W + scale·B·A` (`merged_linear`).
     """
     if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
         segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
@@ -67,6 +68,12 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
         return _stock_lora_forward(x, weight, bias, segments)
     if not segments and not grad_wanted(x, weight, bias):  # sampling the base: no kernel bookkeeping per call
         return frozen_linear(x, weight, bias)
+    if len(segments) == 1 and segments[0].start == 0 and segments[0].end == x.shape[0]:  # one adapter, every row
+        whole = segments[0]
+        if not grad_wanted(x, weight, bias, whole.lora_a, whole.lora_b):
+            y = merged_linear(x, weight, bias, whole.lora_a, whole.lora_b, whole.scale)
+            if y is not None:  # a decode step's prepacked copy of W + scale·B·A
+                return y
     return lora_linear_multi(
         x,
         weight,
