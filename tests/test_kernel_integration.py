@@ -293,10 +293,10 @@ def test_bf16_sampling_logprobs_agree_with_the_bf16_training_forward(monkeypatch
 
     Tolerance: bf16 keeps 8 significant bits, so a logit near 10 is rounded by up to ~0.03; per-token
     log-probs agree within 0.1 nats and within 0.02 on average (measured here: 0.004 worst, 6e-4 mean; 0.03
-    worst after ten steps at lr 1e-2). In fp32 they agree to 1e-4 (tests/test_sampling.py). Decode steps attend
-    through `bios.worker.decode_attention` (fp32 math) where prompts and training run SDPA's bf16 kernel; on
-    SmolLM2 (40 tokens x 4 samples) the decode-vs-forward gap is the same with it as with SDPA (max 0.17 vs 0.21
-    nats, mean 0.037 vs 0.038).
+    worst after ten steps at lr 1e-2). In fp32 they agree to 1e-4 (tests/test_sampling.py). Attention computes in
+    fp32 for both (`bios.worker.cpu_attention`); on SmolLM2 (40 tokens x 4 samples) the decode-vs-forward gap was
+    the same with fp32 decode steps as with SDPA's bf16 kernel throughout (max 0.17 vs 0.21 nats, mean 0.037 vs
+    0.038).
     """
     monkeypatch.setenv("BIOS_BASE_DTYPE", "bfloat16")
     model = load_base_model(BASE).model

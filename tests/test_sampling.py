@@ -333,6 +333,7 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     from bios.kernels.prepacked import PrepackedWeights, prepacked
 
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
+    monkeypatch.setenv("BIOS_KERNELS", "1")  # the stock ops (`BIOS_KERNELS=0`) multiply by the plain weights
     model = model.float()
     adapter = perturbed_adapter(model, "a", seed=6)
     name = "model.layers.0.self_attn.q_proj"

@@ -1,6 +1,6 @@
 """Bios's attention implementation for models that run SDPA: Transformers' SDPA with two additions.
 
-- Decode steps of a low-precision model on CPU attend through `decode_attention.decode_step_attention`.
+- A low-precision model on CPU attends in fp32 (`cpu_attention`: faster than SDPA's bf16 kernel there).
 - Training passes over rows packed end to end get a mask that keeps each row to itself
   (`packing.packed_sdpa_mask`): not every architecture builds that mask from position ids.
 
@@ -20,7 +20,7 @@ from functools import cache
 
 from torch import nn
 
-from bios.worker.decode_attention import decode_step_attention
+from bios.worker.cpu_attention import cpu_attention
 from bios.worker.packing import packed_sdpa_mask
 
 ATTENTION = "bios_sdpa"
@@ -32,7 +32,7 @@ def use_bios_attention(model: nn.Module) -> bool:
 
     current = getattr(model.config, "_attn_implementation", None)
     if current == "sdpa" and not _tests_for_sdpa_by_name(model):
-        AttentionInterface.register(ATTENTION, decode_step_attention)
+        AttentionInterface.register(ATTENTION, cpu_attention)
         AttentionMaskInterface.register(ATTENTION, packed_sdpa_mask)
         model.set_attn_implementation(ATTENTION)  # a model outside AttentionInterface keeps its own (a warning)
     return getattr(model.config, "_attn_implementation", None) == ATTENTION

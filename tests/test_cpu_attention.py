@@ -1,6 +1,8 @@
-"""The decode-step attention bf16 sampling uses on CPU (bios.worker.decode_attention): as accurate as SDPA for
-one query row, and SDPA itself for everything else. That bf16 sampled log-probs agree with the bf16 training
-forward through it is tests/test_kernel_integration.py's bf16 sampling test."""
+"""Low-precision attention on CPU in fp32 (bios.worker.cpu_attention): one query row through a plain fp32
+computation as accurate as SDPA, prompts and training through SDPA's fp32 kernel on fp32 copies (forward and
+gradients as exact as SDPA in fp32 on those copies), fp32 models through SDPA itself. That bf16 sampled
+log-probs agree with the bf16 training forward through it is tests/test_kernel_integration.py's bf16 sampling
+test."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.worker.attention import ATTENTION, use_bios_attention
-from bios.worker.decode_attention import decode_step_attention
+from bios.worker.cpu_attention import cpu_attention
 
 
 class _Attention(torch.nn.Module):
@@ -33,26 +35,48 @@ def test_one_query_row_is_as_accurate_as_sdpa():
     mask[3, :, :, 30:] = False
     exact = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
                                            enable_gqa=True).transpose(1, 2)
-    ours, _ = decode_step_attention(_Attention(), query, key, value, mask)
+    ours, _ = cpu_attention(_Attention(), query, key, value, mask)
     theirs, _ = sdpa_attention_forward(_Attention(), query, key, value, mask)
     assert ours.shape == theirs.shape == (4, 1, 9, 32) and ours.dtype == torch.bfloat16
     sdpa_error = (theirs.float() - exact).abs().max()
     assert (ours.float() - exact).abs().max() <= max(sdpa_error, 1e-2)
 
 
-@pytest.mark.parametrize("queries, dtype", [(5, torch.bfloat16), (1, torch.float32)])
-def test_prompts_and_fp32_run_sdpa_itself(queries, dtype):
-    query, key, value = _qkv(queries, dtype)
-    ours, _ = decode_step_attention(_Attention(), query, key, value, None)
+@pytest.mark.parametrize("queries", [1, 5])
+def test_fp32_runs_sdpa_itself(queries):
+    query, key, value = _qkv(queries, torch.float32)
+    ours, _ = cpu_attention(_Attention(), query, key, value, None)
     theirs, _ = sdpa_attention_forward(_Attention(), query, key, value, None)
     assert torch.equal(ours, theirs)
+
+
+def test_bf16_prompts_and_training_run_sdpas_fp32_kernel_on_fp32_copies():
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_()
+                         for shape in [(2, 9, 40, 32), (2, 3, 40, 32), (2, 3, 40, 32)])
+    mask = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+    mask[1, :, :, :6] = False  # a left-padded row
+    mask[1, :, :6, :6] = torch.eye(6, dtype=torch.bool)  # (its pads see themselves, as Transformers' masks do)
+    grad = torch.randn(2, 40, 9, 32, generator=generator).to(torch.bfloat16)
+    ours, _ = cpu_attention(_Attention(), query, key, value, mask)
+    ours.backward(grad)
+    assert ours.dtype == torch.bfloat16
+    copies = [t.detach().float().requires_grad_() for t in (query, key, value)]
+    exact, _ = sdpa_attention_forward(_Attention(), *copies, mask)
+    exact.backward(grad.float())
+    assert torch.equal(ours, exact.to(torch.bfloat16))
+    for ours_grad, exact_grad in zip((query.grad, key.grad, value.grad), (t.grad for t in copies)):
+        assert torch.equal(ours_grad, exact_grad.to(torch.bfloat16))
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
+    with_additive, _ = cpu_attention(_Attention(), query, key, value, additive)
+    torch.testing.assert_close(with_additive, ours, rtol=0, atol=0)
 
 
 def test_values_narrower_than_keys_come_out_at_their_own_width():
     """MLA (DeepSeek-V3: keys 192 wide, values 128) decodes without padding its values."""
     query, key, value = _qkv(1, torch.bfloat16)
     value = value[..., :24]
-    ours, _ = decode_step_attention(_Attention(), query, key, value, None)
+    ours, _ = cpu_attention(_Attention(), query, key, value, None)
     exact = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), enable_gqa=True).transpose(1, 2)
     assert ours.shape == (4, 1, 9, 24)
     torch.testing.assert_close(ours.float(), exact, rtol=0, atol=2e-2)

@@ -1,0 +1,58 @@
+"""Attention of a low-precision (bf16/fp16) model on CPU, computed in fp32.
+
+PyTorch's CPU SDPA kernel (flash attention for CPU) is slower in bf16 than in fp32 on the same tensors, once
+they are cast: for SmolLM2's training shape (4 rows x 128 tokens, 9 query heads over 3 key/value heads, head 64)
+forward and backward took 7.8-8.0 ms per layer in bf16 against 4.5-5.0 ms cast to fp32 and back (AMD EPYC with
+avx512_bf16, 2 threads), ~0.1 s of a ~1.6 s step over 30 layers; a prompt's forward alone 1.4 vs 1.2 ms. For a
+decode step's single query row it is worse still (0.6-1.0 ms per layer, 4-5x a plain matmul, softmax and matmul
+in fp32), so `cpu_attention` does that plain computation for one query position and runs SDPA's fp32 kernel on
+fp32 copies of the query, keys and values for everything else. Both are at least as accurate as the bf16 kernel
+(which accumulates in fp32 too); the output is cast back to the model's dtype. fp32 models, GPUs, and calls with
+attention extras (soft-capping, sinks, position bias) go to Transformers' SDPA unchanged. The saved fp32 copies
+cost backward twice the bf16 bytes of q, k, v and the output (SmolLM2, 4 x 128: ~48 MB more per step).
+It is the attention function of `attention.ATTENTION`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+_EXTRAS = ("softcap", "s_aux", "position_bias", "sinks")
+
+
+def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """Transformers' attention function signature: query [B, Hq, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv]
+    -> [B, Q, Hq, Dv] (MLA's values are narrower than its queries and keys)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16)
+            or any(kwargs.get(name) is not None for name in _EXTRAS)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[2] == 1 and not dropout and (attention_mask is None or attention_mask.dim() == 4):
+        return decode_step_attention(query, key, value, attention_mask, scaling), None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.float()
+    output, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                       dropout=dropout, scaling=scaling, **kwargs)
+    return output.to(query.dtype), None
+
+
+def decode_step_attention(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                          scaling: float | None) -> Tensor:
+    """One query position: query [B, Hq, 1, D] against key/value [B, Hkv, L, D|Dv], with a [B, 1, 1, L] mask (bool,
+    True attends, or additive) or None, in fp32 -> [B, 1, Hq, Dv] in the query's dtype."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, head_dim).float()  # each kv head's query heads
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2))
+    scores.mul_(scaling if scaling is not None else 1 / math.sqrt(head_dim))
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[2]]
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+    output = torch.matmul(torch.softmax(scores, dim=-1), value.float())
+    return output.reshape(batch, 1, heads, value.shape[-1]).to(query.dtype)
