@@ -54,8 +54,8 @@ DEFAULT_MAX_TOKENS = 256
 # A batch is compacted (finished rows dropped from the cache) once at most this fraction of it is alive.
 _COMPACT_WHEN_ALIVE = 0.75
 # A decode whose rows all use one adapter multiplies by copies of the weights with its update merged in if it
-# runs at least this many steps: making them (SmolLM2, fp32: ~0.7 s) costs ~35 steps of what the adapter's own
-# products cost (~20 ms a step for 16 rows).
+# runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7 s) costs 20-35 steps of what the adapter's
+# own products cost (~20 ms a step for 16 rows).
 _MERGE_MIN_STEPS = 32
 
 
