@@ -3,7 +3,8 @@ and bf16 products on CPU multiply by a oneDNN-laid-out copy of the weight, made 
 until released or until the weight is freed; the numbers are those of the plain weight; nothing is packed
 outside a block, with `BIOS_PREPACK=off` or `BIOS_GEMM=aten`, or past half of the free memory. The worker keeps
 copies across cycles that only sample and releases them before anything else. A decode step whose rows all use
-one fp32 adapter multiplies by one copy of `W + scale·B·A`, remade when the adapter changes."""
+one fp32 adapter multiplies by one copy of `W + scale·B·A`, remade when the adapter changes; in bf16 by one of
+`[W; A]`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import bios.kernels.prepacked as prepacked_module
 from bios import messages as m
 from bios import types
-from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear
+from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear, stacked_linear
 from bios.kernels.prepacked import PrepackedWeights, prepacked
 
 
@@ -160,7 +161,7 @@ def test_one_adapters_rows_multiply_by_a_merged_copy_remade_when_the_adapter_cha
     keeper = PrepackedWeights()
     with torch.inference_mode(), keeper.using():
         assert merged_linear(x, weight, bias, lora_a, lora_b, 0.5) is None  # only in blocks opened to merge
-    with torch.inference_mode(), keeper.using(merge=True):
+    with torch.inference_mode(), keeper.using(adapter=True):
         merged = merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
         copy = prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5)
         assert prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5) is copy
@@ -171,7 +172,7 @@ def test_one_adapters_rows_multiply_by_a_merged_copy_remade_when_the_adapter_cha
     assert base is not copy and keeper.held_bytes() == 3 * weight.numel() * 4
     with torch.inference_mode():
         lora_b.mul_(-1)  # an optimizer step changes the factors in place
-        with keeper.using(merge=True):
+        with keeper.using(adapter=True):
             changed = merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
             assert prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=0.5) is not copy
     torch.testing.assert_close(changed, F.linear(x, weight, bias) + 0.5 * (x @ lora_a.T) @ lora_b.T, rtol=1e-5,
@@ -180,10 +181,10 @@ def test_one_adapters_rows_multiply_by_a_merged_copy_remade_when_the_adapter_cha
     # the old version's copy was replaced, the other scale's dropped (not used in the block)
     assert keeper.held_bytes() == 2 * weight.numel() * 4
     other_a, other_b = _factors(weight, rank=2)
-    with torch.inference_mode(), keeper.using(merge=True):
+    with torch.inference_mode(), keeper.using(adapter=True):
         merged_linear(x, weight, bias, lora_a, lora_b, 0.5)
     assert keeper.held_bytes() == 2 * weight.numel() * 4  # kept while used
-    with torch.inference_mode(), keeper.using(merge=True):
+    with torch.inference_mode(), keeper.using(adapter=True):
         merged_linear(x, weight, bias, other_a, other_b, 0.5)
     assert keeper.held_bytes() == 2 * weight.numel() * 4  # another adapter's block dropped those not used in it
     del other_a
@@ -197,7 +198,7 @@ def test_merged_copies_only_in_fp32_and_only_inside_a_block(monkeypatch):
     assert merged_linear(x, weight, bias, lora_a, lora_b, 1.0) is None  # outside a block
     low = [t.to(torch.bfloat16) for t in (x, weight, bias, lora_a, lora_b)]
     keeper = PrepackedWeights()
-    with torch.inference_mode(), keeper.using(merge=True):
+    with torch.inference_mode(), keeper.using(adapter=True):
         assert merged_linear(*low, 1.0) is None  # bf16 would round a small update away
         monkeypatch.setenv("BIOS_GEMM", "aten")
         assert merged_linear(x, weight, bias, lora_a, lora_b, 1.0) is None
@@ -222,10 +223,34 @@ def test_lora_layers_merge_only_when_one_adapter_has_every_row():
     part = [LoraSegment(2, 8, lora_a, lora_b, 2.0)]
     keeper = PrepackedWeights()
     for segments, merged in ((split, False), (part, False), (whole, True)):
-        with torch.inference_mode(), keeper.using(merge=True):
+        with torch.inference_mode(), keeper.using(adapter=True):
             result = lora_forward(x, weight, bias, segments)
             held = keeper.held_bytes()
             prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)  # adds a copy unless lora_forward made it
             assert (keeper.held_bytes() == held) == merged
         torch.testing.assert_close(result, expected(segments), rtol=1e-5, atol=1e-4)
         keeper.release()
+
+
+def test_bf16_rows_of_one_adapter_get_both_products_from_one_stacked_copy():
+    x, weight, bias = _inputs(torch.bfloat16)
+    lora_a, lora_b = _factors(weight)
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using():
+        assert stacked_linear(x, weight, None, lora_a, lora_b, 0.5) is None  # only in blocks opened for it
+    with torch.inference_mode(), keeper.using(adapter=True):
+        assert stacked_linear(x, weight, bias, lora_a, lora_b, 0.5) is None  # a bias would round once more
+        result = stacked_linear(x, weight, None, lora_a, lora_b, 0.5)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2-only: oneDNN makes no bf16 copies
+        assert result is None and keeper.held_bytes() == 0
+        return
+    assert keeper.held_bytes() == (weight.shape[0] + lora_a.shape[0]) * weight.shape[1] * 2
+    expected = F.linear(x.float(), weight.float()) + 0.5 * (x.float() @ lora_a.float().T) @ lora_b.float().T
+    plain = F.linear(x, weight).addmm_(x @ lora_a.T, lora_b.T, alpha=0.5)  # the path it replaces
+    assert (result.float() - expected).abs().max() <= 1.5 * (plain.float() - expected).abs().max()
+    torch.testing.assert_close(result, plain, rtol=2e-2, atol=0.25)
+    from bios.worker.lora import LoraSegment, lora_forward
+
+    with torch.inference_mode(), keeper.using(adapter=True):  # a LoRA layer's decode step takes this path
+        assert torch.equal(lora_forward(x[:, None], weight, None, [LoraSegment(0, 16, lora_a, lora_b, 0.5)])[:, 0],
+                           result)

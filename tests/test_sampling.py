@@ -341,7 +341,7 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
 
     def holds_merged_copy(keeper) -> bool:
         held = keeper.held_bytes()
-        with torch.inference_mode(), keeper.using(merge=True):
+        with torch.inference_mode(), keeper.using(adapter=True):
             prepacked(torch.zeros(1, weight.shape[1]), weight, lora_a=lora_a, lora_b=lora_b, scale=adapter.scale)
             return keeper.held_bytes() == held  # (on leaving, the block drops the merged copies it did not use)
 

@@ -114,6 +114,22 @@ def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return None if copy is None else onednn_linear(x, copy, bias)
 
 
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`x Wᵀ + b + scale·(x Aᵀ) Bᵀ` for x [rows, in] with `x Wᵀ` and `x Aᵀ` from one product by a prepacked copy of
+    `[W; A]` inside a `PrepackedWeights.using()` block (a decode step whose rows all use one adapter); None where
+    there is no such copy, and for a layer with a bias (added apart it would round a bf16 output once more): the
+    caller then makes both products itself."""
+    if gemm_backend() == "aten" or bias is not None:
+        return None
+    copy = prepacked(x, weight, lora_a=lora_a)
+    if copy is None:
+        return None
+    both = onednn_linear(x, copy)
+    out_features = weight.shape[0]
+    return torch.addmm(both[:, :out_features], both[:, out_features:], lora_b.T, alpha=scale)
+
+
 def frozen_input_grad(grad: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`grad W` for grad [rows, out], weight [out, in]: the gradient of `x Wᵀ` with respect to x."""
     if _routes_to_onednn(grad, weight):

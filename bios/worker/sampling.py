@@ -7,8 +7,8 @@ decode step per token runs all unfinished rows together, rows of one adapter con
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
 it is done, so long-running samples do not drag finished ones along. The cache gets room for the decode steps
 up front (`kv_cache.reserve_decode_room`: one position written per step, not the whole cache copied), and on
-CPU the steps multiply by prepacked copies of the frozen weights (`bios.kernels.prepacked`), with the adapter's
-update merged in when every row uses one fp32 adapter for enough steps (`_MERGE_MIN_STEPS`).
+CPU the steps multiply by prepacked copies of the frozen weights (`bios.kernels.prepacked`), with the adapter in
+them when every row uses one adapter for enough steps (`_ADAPTER_COPIES_MIN_STEPS`).
 
 How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
 `bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
@@ -53,10 +53,10 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 256
 # A batch is compacted (finished rows dropped from the cache) once at most this fraction of it is alive.
 _COMPACT_WHEN_ALIVE = 0.75
-# A decode whose rows all use one adapter multiplies by copies of the weights with its update merged in if it
-# runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7 s) costs 20-35 steps of what the adapter's
-# own products cost (~20 ms a step for 16 rows).
-_MERGE_MIN_STEPS = 32
+# A decode whose rows all use one adapter multiplies by copies of the weights with the adapter in them (`W +
+# scale·B·A` in fp32, `[W; A]` in bf16) if it runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7
+# s) costs 20-35 steps of what the adapter's own products cost (~20 ms a step for 16 rows).
+_ADAPTER_COPIES_MIN_STEPS = 32
 
 
 @dataclass
@@ -227,7 +227,7 @@ def _generate(
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
-    with prepacked.using(merge=_merges(rows)):
+    with prepacked.using(adapter=_adapter_copies(rows)):
         tokens, logprobs, finished_at, stopped = _decode(
             model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
         )
@@ -344,11 +344,11 @@ def _decode(
     return out_tokens, out_logprobs, finished_at, stopped
 
 
-def _merges(rows: _Rows) -> bool:
-    """Whether the decode may multiply by copies with an adapter's update merged in (`_MERGE_MIN_STEPS`)."""
+def _adapter_copies(rows: _Rows) -> bool:
+    """Whether the decode may multiply by copies with an adapter in them (`_ADAPTER_COPIES_MIN_STEPS`)."""
     first = rows.adapters[0]
     return (first is not None and all(adapter is first for adapter in rows.adapters)
-            and rows.choice.uniforms.shape[1] >= _MERGE_MIN_STEPS)
+            and rows.choice.uniforms.shape[1] >= _ADAPTER_COPIES_MIN_STEPS)
 
 
 def _build_rows(
