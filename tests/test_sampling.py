@@ -360,3 +360,20 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     keeper = PrepackedWeights()
     generate(model, tokenizer, [short], eos_token_id=EOS, prepacked=keeper)
     assert not holds_merged_copy(keeper)  # too few steps to repay them
+
+
+def test_an_adapters_factors_are_cast_once_per_version_for_sampling(model):
+    """The sampler reads each layer's factors in the model's dtype at every step; casting them once per version of
+    the adapter (not per call or per compaction) keeps a bf16 decode's prepacked copies of `[W; A]` alive."""
+    adapter = perturbed_adapter(model, "a", seed=7)
+    name = "model.layers.0.mlp.up_proj"
+    assert adapter.lora_pair_in(name, torch.float32) == adapter.lora_pair(name)  # its own dtype: the pair itself
+    with torch.inference_mode():
+        first = adapter.lora_pair_in(name, torch.bfloat16)
+    again = adapter.lora_pair_in(name, torch.bfloat16)
+    assert all(a is b for a, b in zip(first, again))
+    assert all(torch.equal(cast, factor.to(torch.bfloat16)) for cast, factor in zip(first, adapter.lora_pair(name)))
+    with torch.no_grad():
+        adapter.params.mul_(2.0)  # a training step
+    changed = adapter.lora_pair_in(name, torch.bfloat16)
+    assert all(torch.equal(cast, 2 * old) for cast, old in zip(changed, first))

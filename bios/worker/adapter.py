@@ -122,6 +122,8 @@ class AdapterState:
         self.exp_avg = torch.zeros_like(self.grad)
         self.exp_avg_sq = torch.zeros_like(self.grad)
         self._pairs: dict[str, tuple[Tensor, Tensor]] = {}
+        self._casts: dict[str, tuple[Tensor, Tensor]] = {}  # `lora_pair_in`'s copies, for `_casts_of`
+        self._casts_of: tuple[torch.dtype, int] | None = None  # (their dtype, the params' version they were cast at)
         offset = 0
         for target in targets:
             pair = []
@@ -167,6 +169,19 @@ class AdapterState:
     def lora_pair(self, module_name: str) -> tuple[Tensor, Tensor]:
         """The (A [rank, in], B [out, rank]) views of `module_name`; KeyError if this adapter does not train it."""
         return self._pairs[module_name]
+
+    def lora_pair_in(self, module_name: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`lora_pair` in `dtype`, for reading without gradients: the pair itself, or copies cast once and kept
+        until the parameters change. The sampler reads every pair in the model's dtype at each decode step and
+        after each compaction of its batch; prepacked copies made from them last as long as they do."""
+        pair = self._pairs[module_name]
+        if pair[0].dtype == dtype:
+            return pair
+        if self._casts_of != (dtype, self.params._version):
+            self._casts, self._casts_of = {}, (dtype, self.params._version)
+        if module_name not in self._casts:
+            self._casts[module_name] = (pair[0].detach().to(dtype), pair[1].detach().to(dtype))
+        return self._casts[module_name]
 
     def pairs_in(self, flat: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
         """Views of `flat` (a buffer laid out like `params`: `grad`, `exp_avg`, ...) shaped as each target's (A, B)."""

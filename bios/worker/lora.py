@@ -282,8 +282,8 @@ def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterStat
 
     Segments must not overlap. Each adapter must have been created for this model (its targets are LoRA
     layers of it). The previous segments are restored on exit, so blocks nest. `factor_dtype` hands the layers
-    copies of the factors in that dtype, cast once for the block instead of at every call: for sampling, where
-    no gradient flows back to them.
+    copies of the factors in that dtype (`AdapterState.lora_pair_in`: cast once per version of the adapter, not
+    at every call): for sampling, where no gradient flows back to them.
     """
     wrapped: dict[str, LoraHolder] | None = getattr(model, _ATTACHED_FLAG, None)
     if wrapped is None:
@@ -307,8 +307,8 @@ def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterStat
     try:
         for name, module in wrapped.items():
             module.lora_segments = [
-                LoraSegment(start, end, *(factor.to(factor_dtype or factor.dtype) for factor in adapter.lora_pair(name)),
-                            adapter.scale)
+                LoraSegment(start, end, *(adapter.lora_pair(name) if factor_dtype is None
+                                          else adapter.lora_pair_in(name, factor_dtype)), adapter.scale)
                 for start, end, adapter in ordered
                 if adapter.has_target(name)
             ]
