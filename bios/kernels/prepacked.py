@@ -87,8 +87,8 @@ class PrepackedWeights:
         return sum(held.nbytes for held in self._copies.values())
 
     def _copy(self, weight: torch.Tensor, update: _Update | None) -> torch.Tensor | None:
-        """The copy of `weight` (plus `update`'s `scale·B·A`), made now if it has none and one fits in this
-        block's room; else None. A copy of an older version of the update's factors is replaced."""
+        """The copy of `weight` (with `update` in it, if given), made now if it has none and one fits in this
+        block's room; else None. A copy made from an older version of the update's factors is replaced."""
         if update is not None and not self._adapter_copies:
             return None
         owner = weight if weight._base is None else weight._base
@@ -101,8 +101,8 @@ class PrepackedWeights:
         held = self._copies.get(key)
         if held is not None and held.owner() is owner and held.version == version:
             return held.copy
-        nbytes = (weight.shape[0] + (0 if update is None or update.lora_b is not None else update.lora_a.shape[0])
-                  ) * weight.shape[1] * weight.element_size()
+        stacked_rows = update.lora_a.shape[0] if update is not None and update.lora_b is None else 0
+        nbytes = (weight.shape[0] + stacked_rows) * weight.shape[1] * weight.element_size()
         if held is not None:
             self._copies.pop(key)
             self._room += held.nbytes
