@@ -93,7 +93,7 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`x Wᵀ + b` for x [..., in], weight [out, in] (any strides), bias [out] or None; into `out` if given.
     Inside a `PrepackedWeights.using()` block (decode steps) through the weight's prepacked copy if it has one."""
-    copy = prepacked(x, weight) if gemm_backend() != "aten" else None
+    copy = _prepacked_copy(x, weight)
     if copy is not None:
         return onednn_linear(x, copy, bias, out=out)
     if _routes_to_onednn(x, weight):
@@ -108,9 +108,7 @@ def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`x (W + scale·B·A)ᵀ + b` through a prepacked copy of the merged weight inside a `PrepackedWeights.using()`
     block (a decode step whose rows all use one adapter); None where there is no such copy (outside a block,
     not fp32, `BIOS_GEMM=aten`, no room): the caller then adds the low-rank product itself."""
-    if gemm_backend() == "aten":
-        return None
-    copy = prepacked(x, weight, lora_a=lora_a, lora_b=lora_b, scale=scale)
+    copy = _prepacked_copy(x, weight, lora_a=lora_a, lora_b=lora_b, scale=scale)
     return None if copy is None else onednn_linear(x, copy, bias)
 
 
@@ -120,14 +118,18 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     `[W; A]` inside a `PrepackedWeights.using()` block (a decode step whose rows all use one adapter); None where
     there is no such copy, and for a layer with a bias (added apart it would round a bf16 output once more): the
     caller then makes both products itself."""
-    if gemm_backend() == "aten" or bias is not None:
-        return None
-    copy = prepacked(x, weight, lora_a=lora_a)
+    copy = None if bias is not None else _prepacked_copy(x, weight, lora_a=lora_a)
     if copy is None:
         return None
     both = onednn_linear(x, copy)
     out_features = weight.shape[0]
     return torch.addmm(both[:, :out_features], both[:, out_features:], lora_b.T, alpha=scale)
+
+
+def _prepacked_copy(x: torch.Tensor, weight: torch.Tensor, **lora) -> torch.Tensor | None:
+    """`prepacked(x, weight, **lora)`, except under `BIOS_GEMM=aten`, which keeps every product on PyTorch's own
+    matmul: the one place the three products above ask for a copy."""
+    return None if gemm_backend() == "aten" else prepacked(x, weight, **lora)
 
 
 def frozen_input_grad(grad: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
