@@ -87,6 +87,25 @@ def test_auto_takes_onednn_where_it_measured_faster_and_bad_settings_are_refused
         frozen_linear(*_inputs()[:2])
 
 
+@pytest.mark.parametrize("isa", ["", "AVX2"])
+def test_a_wide_product_into_a_buffer_goes_to_onednn_block_by_block(isa, monkeypatch):
+    """A head's logits for the loss: oneDNN on either instruction set, in blocks of output features (the last one
+    partial), each copied into the caller's buffer; the same numbers as one product."""
+    monkeypatch.delenv("BIOS_GEMM", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    generator = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(100, 32, generator=generator), torch.randn(4 * 4096 + 5, generator=generator)
+    head = torch.randn(4 * 4096 + 5, 32, generator=generator)
+    buffer = torch.full((100, head.shape[0]), float("nan"))
+    with Ops() as ops:
+        result = frozen_linear(x, head, bias, out=buffer)
+    assert result is buffer
+    assert ("mkldnn._linear_pointwise" in ops.names) == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(buffer.double(), x.double() @ head.double().T + bias.double(), rtol=0, atol=1e-4)
+    assert _uses_onednn(x, head) == (torch.backends.mkldnn.is_available() and isa == ""
+                                     and torch.backends.cpu.get_cpu_capability() == "AVX512")  # no buffer: the rule
+
+
 def adapted_smollm2_shaped(monkeypatch):
     """A 2-layer SmolLM2-shaped model in fp32 with a rank-8 adapter whose A and B are both non-zero, and a batch."""
     monkeypatch.setenv("BIOS_BASE_DTYPE", "float32")

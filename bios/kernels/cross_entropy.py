@@ -9,6 +9,9 @@ logits instead (one extra head matmul, no stored logits), unless the caller's lo
 log-probs (`linear_weighted_loss`, cross-entropy): then every gradient is accumulated in forward too.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
@@ -135,11 +138,12 @@ def _result_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _LogitsBuffer:
-    """One chunk's worth of logits memory, reused by every chunk of a call.
+    """One chunk's worth of logits memory, reused by every chunk of a call and kept for the next call.
 
-    A fresh 100+ MiB tensor per chunk would be handed back to the OS on free and page-faulted in again by the
-    next chunk (on CPU that costs as much as the chunk's elementwise work). bf16/fp16 heads also get an fp32
-    buffer for the softmax; the low-precision one is reused for the gradient matmul's input.
+    A fresh 100+ MiB tensor per call is handed back to the OS on free and page-faulted in again by the next
+    (on CPU ~25 ms per 100 MiB, as much as the chunk's elementwise work; SmolLM2's 512 x 49152 logits are 96 MiB
+    in fp32). bf16/fp16 heads also get an fp32 buffer for the softmax; the low-precision one is reused for the
+    gradient matmul's input. `_logits_buffer` lends the one kept buffer to one call at a time.
     """
 
     def __init__(self, rows: int, weight: torch.Tensor):
@@ -149,6 +153,10 @@ class _LogitsBuffer:
             self.matmul if result_dtype == weight.dtype else torch.empty_like(self.matmul, dtype=result_dtype)
         )
 
+    def fits(self, rows: int, weight: torch.Tensor) -> bool:
+        return (self.matmul.shape[0] >= rows and self.matmul.shape[1] == weight.shape[0]
+                and self.matmul.dtype == weight.dtype and self.matmul.device == weight.device)
+
     def logits(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
         logits = frozen_linear(h, weight, out=self.matmul[: h.shape[0]])
         if lora_a is not None:
@@ -157,6 +165,23 @@ class _LogitsBuffer:
 
     def in_matmul_dtype(self, dlogits: torch.Tensor) -> torch.Tensor:
         return dlogits if self.softmax is self.matmul else self.matmul[: dlogits.shape[0]].copy_(dlogits)
+
+
+_kept: list[_LogitsBuffer] = []  # the buffer of the last call, at most one (list.pop and assignment are atomic)
+
+
+@contextmanager
+def _logits_buffer(rows: int, weight: torch.Tensor) -> Iterator[_LogitsBuffer]:
+    """The kept buffer if it fits `rows` rows of `weight`'s logits, else a new one (the old one freed first);
+    kept again afterwards. Calls running at once get a buffer each, and the last to finish keeps its own."""
+    buffer = _kept.pop() if _kept else None
+    if buffer is None or not buffer.fits(rows, weight):
+        buffer = None
+        buffer = _LogitsBuffer(rows, weight)
+    try:
+        yield buffer
+    finally:
+        _kept[:] = [buffer]
 
 
 def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, grads=None, row_scale=None):
@@ -170,14 +195,14 @@ def _forward_chunks(hidden, weight, targets, lora_a, lora_b, lora_scale, chunk, 
     dtype = _result_dtype(hidden.dtype)
     logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
     lse = torch.empty(n, dtype=dtype, device=hidden.device)
-    buffer = _LogitsBuffer(min(chunk, n), weight)
-    for start in range(0, n, chunk):
-        rows = slice(start, min(start + chunk, n))
-        chunk_grads = None if grads is None else _rows_of(grads, rows)
-        _forward_chunk_(
-            buffer, logprobs[rows], lse[rows], chunk_grads, hidden[rows], weight, targets[rows], lora_a, lora_b,
-            lora_scale, None if row_scale is None else row_scale[rows],
-        )
+    with _logits_buffer(min(chunk, n), weight) as buffer:
+        for start in range(0, n, chunk):
+            rows = slice(start, min(start + chunk, n))
+            chunk_grads = None if grads is None else _rows_of(grads, rows)
+            _forward_chunk_(
+                buffer, logprobs[rows], lse[rows], chunk_grads, hidden[rows], weight, targets[rows], lora_a, lora_b,
+                lora_scale, None if row_scale is None else row_scale[rows],
+            )
     return logprobs, lse
 
 
@@ -212,21 +237,23 @@ def _forward_chunk_(buffer, logprobs, lse, grads, h, weight, targets, lora_a, lo
 def _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_scale) -> None:
     """Given one chunk's d loss / d logits: write its rows of grad_hidden, add to the parameters' gradients."""
     grad_hidden, grad_weight, grad_a, grad_b = grads
-    if grad_hidden is not None:
-        in_matmul_dtype = buffer.in_matmul_dtype(dlogits)
-        frozen_input_grad(in_matmul_dtype, weight, out=grad_hidden)
-        if lora_a is not None:
-            grad_hidden.addmm_(in_matmul_dtype @ lora_b.to(grad_hidden.dtype), lora_a.to(grad_hidden.dtype),
-                               alpha=lora_scale)
-    if grad_weight is None and grad_a is None and grad_b is None:
+    if grad_weight is not None:  # a trainable head (full fine-tuning): its [V, H] gradient summed in fp32
+        grad_weight.addmm_(dlogits.T, h.to(dlogits.dtype))
+    if grad_hidden is None and grad_a is None and grad_b is None:
         return
-    h = h.to(dlogits.dtype)
-    if grad_weight is not None:
-        grad_weight.addmm_(dlogits.T, h)
-    if grad_b is not None:
-        grad_b.addmm_(dlogits.T, h @ lora_a.to(h.dtype).T, alpha=lora_scale)
+    # The low-rank products in the head's dtype, as every other LoRA layer of the model makes them: in bf16 they
+    # run ~2x faster than in fp32 (SmolLM2's [49152 x 512] x [512 x 16], 7 vs 18 ms a chunk).
+    dlogits = buffer.in_matmul_dtype(dlogits)
+    g_b = dlogits @ lora_b.to(h.dtype) if lora_a is not None and (grad_hidden is not None or grad_a is not None) \
+        else None  # d loss / d (h Aᵀ), over `lora_scale`: made once for grad_hidden and grad_a
+    if grad_hidden is not None:
+        frozen_input_grad(dlogits, weight, out=grad_hidden)
+        if g_b is not None:
+            grad_hidden.addmm_(g_b, lora_a.to(h.dtype), alpha=lora_scale)
     if grad_a is not None:
-        grad_a.addmm_((dlogits @ lora_b.to(h.dtype)).T, h, alpha=lora_scale)
+        grad_a.add_(g_b.T @ h, alpha=lora_scale)
+    if grad_b is not None:
+        grad_b.add_(dlogits.T @ (h @ lora_a.to(h.dtype).T), alpha=lora_scale)
 
 
 def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:
@@ -282,11 +309,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
         grads = _gradient_buffers(hidden, weight, lora_a, lora_b, (need_h, need_w, need_a, need_b))
         n = hidden.shape[0]
-        buffer = _LogitsBuffer(min(ctx.chunk, n), weight)
-        for start in range(0, n, ctx.chunk):
-            rows = slice(start, min(start + ctx.chunk, n))
-            _chunk_backward_(buffer, _rows_of(grads, rows), grad_logprobs[rows], hidden[rows], weight, targets[rows],
-                             lse[rows], lora_a, lora_b, ctx.lora_scale)
+        with _logits_buffer(min(ctx.chunk, n), weight) as buffer:
+            for start in range(0, n, ctx.chunk):
+                rows = slice(start, min(start + ctx.chunk, n))
+                _chunk_backward_(buffer, _rows_of(grads, rows), grad_logprobs[rows], hidden[rows], weight,
+                                 targets[rows], lse[rows], lora_a, lora_b, ctx.lora_scale)
         grad_hidden, grad_weight, grad_a, grad_b = _in_input_dtypes(grads, weight, lora_a, lora_b)
         return grad_hidden, grad_weight, None, grad_a, grad_b, None, None
 

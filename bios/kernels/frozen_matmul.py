@@ -54,10 +54,19 @@ def gemm_library(weight: torch.Tensor) -> str:
 # through the 49152 x 576 head: 2.07x; with oneDNN held to AVX2 0.64x and 1.69x).
 _DECODE_ROWS = 64
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
+# A training pass's rows through a wide weight into a buffer (the head's logits for the loss): oneDNN in blocks of
+# output features, each result small enough to stay in cache and in the allocator's reused memory, then copied.
+# SmolLM2's 512 x 576 -> 49152: 150-153 ms against 176 ms in one oneDNN call plus its copy and 222 ms for MKL into
+# the buffer; with oneDNN held to AVX2 162-168 against 208 ms for MKL (whose win elsewhere keeps it there).
+_OUT_BLOCK = 4096
+_WIDE_OUT = 4 * _OUT_BLOCK
 
 
-def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements: int) -> bool:
-    """Whether a product of `rows` rows by a weight of `weight_elements` goes to oneDNN (see the module docstring)."""
+def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements: int,
+            wide_into_buffer: bool = False) -> bool:
+    """Whether a product of `rows` rows by a weight of `weight_elements` goes to oneDNN (see the module docstring
+    and the notes above); `wide_into_buffer`: the weight has `_WIDE_OUT`+ output features and the result goes
+    into a caller's buffer."""
     setting = gemm_backend()
     if setting == "aten" or device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return False
@@ -65,7 +74,7 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
         return True
     if rows <= _DECODE_ROWS:
         return weight_elements >= _ONEDNN_MIN_WEIGHT
-    return _avx512()
+    return _avx512() or wide_into_buffer
 
 
 def _avx512() -> bool:
@@ -76,16 +85,31 @@ def _avx512() -> bool:
                                                                      or limit.startswith("AVX10"))
 
 
-def _routes_to_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dtype == weight.dtype and _onednn(x.device, x.dtype, x.numel() // x.shape[-1], weight.numel())
+def _routes_to_onednn(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    return x.dtype == weight.dtype and _onednn(x.device, x.dtype, x.numel() // x.shape[-1], weight.numel(),
+                                               out is not None and weight.shape[0] >= _WIDE_OUT)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`x Wᵀ + b` through oneDNN's linear, whatever the setting (the benches time it against PyTorch's); into
-    `out` if given (oneDNN's op has no out= form: its result is copied, which costs less than its gain on a
-    head's chunk)."""
-    result = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    `out` if given, `_OUT_BLOCK` output features at a time (oneDNN's op has no out= form: each block's result is
+    copied, which costs less than its gain on a head's chunk). `weight` is a plain [out, in] tensor or view (a
+    prepacked copy: `prepacked_linear`)."""
+    if out is None:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    for start in range(0, weight.shape[0], _OUT_BLOCK):
+        block = slice(start, start + _OUT_BLOCK)
+        out[..., block].copy_(torch.ops.mkldnn._linear_pointwise(x, weight[block], None if bias is None else bias[block],
+                                                                 "none", [], ""))
+    return out
+
+
+def prepacked_linear(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x Wᵀ + b` by W's prepacked copy (`bios.kernels.prepacked`; its blocked layout cannot be sliced), into
+    `out` if given."""
+    result = torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
     return result if out is None else out.copy_(result)
 
 
@@ -95,8 +119,8 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Inside a `PrepackedWeights.using()` block (decode steps) through the weight's prepacked copy if it has one."""
     copy = _prepacked_copy(x, weight)
     if copy is not None:
-        return onednn_linear(x, copy, bias, out=out)
-    if _routes_to_onednn(x, weight):
+        return prepacked_linear(x, copy, bias, out=out)
+    if _routes_to_onednn(x, weight, out):
         return onednn_linear(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
@@ -109,7 +133,7 @@ def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block (a decode step whose rows all use one adapter); None where there is no such copy (outside a block,
     not fp32, `BIOS_GEMM=aten`, no room): the caller then adds the low-rank product itself."""
     copy = _prepacked_copy(x, weight, lora_a=lora_a, lora_b=lora_b, scale=scale)
-    return None if copy is None else onednn_linear(x, copy, bias)
+    return None if copy is None else prepacked_linear(x, copy, bias)
 
 
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
@@ -121,7 +145,7 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     copy = None if bias is not None else _prepacked_copy(x, weight, lora_a=lora_a)
     if copy is None:
         return None
-    both = onednn_linear(x, copy)
+    both = prepacked_linear(x, copy)
     out_features = weight.shape[0]
     return torch.addmm(both[:, :out_features], both[:, out_features:], lora_b.T, alpha=scale)
 
