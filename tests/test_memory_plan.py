@@ -185,7 +185,7 @@ def test_a_model_that_fits_nowhere_gets_a_clear_error():
         choose_plan(LLAMA_1B, 2 * GiB, lora_rank=32, batch_tokens=2048, workers=4, model_name="llama-1b")
     message = str(caught.value)
     assert caught.value.field == "base_model"
-    assert "model llama-1b needs ~3.0" in message
+    assert "model llama-1b needs ~2.69 GiB" in message
     assert "even with TP=4, bf16 weights and activation checkpointing" in message
     assert "workers have 2.00 GiB" in message
     with pytest.raises(BadRequestError, match="TP=2 needs 2 workers, the pool has 1"):

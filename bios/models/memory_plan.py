@@ -60,9 +60,10 @@ _CHECKPOINT_FRAGMENTATION = 4
 # The stock (BIOS_KERNELS=0) output head materialises [tokens, vocab] fp32 logits; at its backward peak the
 # logits, logsumexp's exp temporary, the gather's scattered gradient and their sum coexist (measured 3.4-4.1).
 _STOCK_LOGITS_COPIES = 4
-# The fused head (bios.kernels.linear_cross_entropy) holds one [chunk, vocab] buffer in forward and one in
-# the backward recomputation (a trainable head LoRA), chunk = 2^26 / vocab rows, at most 512.
-_FUSED_LOGITS_BUFFERS = 2
+# The fused head (bios.kernels.linear_cross_entropy) holds one [chunk, vocab] buffer, lent to its forward and
+# to a backward recomputation (a trainable head) in turn and kept between calls; chunk = 2^26 / vocab rows, at
+# most 512.
+_FUSED_LOGITS_BUFFERS = 1
 _FUSED_CHUNK_ELEMENTS = 1 << 26
 _FUSED_MAX_CHUNK = 512
 # What a worker holds before any model, when it did not measure it: CPU = Python + torch + the Transformers
