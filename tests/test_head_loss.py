@@ -8,7 +8,7 @@ from test_kernels import TOLERANCE, LargestTensor, _bf16_close, _ce_inputs, _clo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bios import types
-from bios.kernels import linear_cross_entropy, linear_weighted_loss
+from bios.kernels import cross_entropy, linear_cross_entropy, linear_weighted_loss
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
@@ -61,6 +61,30 @@ def test_weighted_loss_bf16_keeps_parameter_dtypes():
     _, expected = _naive_loss(exact[0], weight.double(), targets, token_weights, exact[1], exact[2], 0.5)
     for actual, reference in zip(grads, _grads(expected, exact, None)):
         _bf16_close(actual, reference)
+
+
+def test_the_logits_buffer_is_kept_for_the_next_call_and_replaced_when_it_does_not_fit():
+    """One chunk's logits memory outlives a call (a fresh one per step costs its page faults), is lent to one
+    call at a time, and a call that needs more rows or another vocabulary replaces it."""
+
+    def buffer_after(rows: int, vocab: int, dtype=torch.float32):
+        hidden, weight, targets, token_weights, _, _ = _ce_inputs(rows, 8, vocab, dtype)
+        linear_weighted_loss(hidden.requires_grad_(), weight, targets, token_weights, chunk_size=16)[1].backward()
+        (kept,) = cross_entropy._kept
+        return kept
+
+    first = buffer_after(12, 40)
+    assert first.matmul.shape == (12, 40)
+    assert buffer_after(10, 40) is first  # fewer rows: the same memory
+    assert buffer_after(16, 40) is not first  # more rows (up to the chunk): a bigger one
+    bf16 = buffer_after(40, 30, torch.bfloat16)
+    assert bf16.matmul.shape == (16, 30) and bf16.matmul.dtype == torch.bfloat16
+    assert bf16.softmax.dtype == torch.float32  # a low-precision head's softmax runs in fp32
+    with cross_entropy._logits_buffer(4, torch.empty(30, 8, dtype=torch.bfloat16)) as lent:
+        assert lent is bf16 and not cross_entropy._kept  # lent out: a call running meanwhile gets its own
+        with cross_entropy._logits_buffer(4, torch.empty(30, 8, dtype=torch.bfloat16)) as other:
+            assert other is not lent
+    assert cross_entropy._kept == [lent]  # the last to finish keeps its own
 
 
 def test_weighted_loss_refuses_weights_of_another_length():
