@@ -1,9 +1,9 @@
 """AdamW with global-norm gradient clipping over a few flat fp32 buffers.
 
 An adapter keeps its parameters, gradient and both Adam moments as one flat buffer each, so a whole optimizer
-step is a handful of foreach ops instead of one small kernel per LoRA matrix. The arithmetic follows
-`torch.optim.AdamW(foreach=True)` (decoupled weight decay, no amsgrad) and `torch.nn.utils.clip_grad_norm_`
-operation for operation, so a run here matches a plain PyTorch run to rounding.
+step is a norm, a clip and one fused update instead of small kernels per LoRA matrix. The clip follows
+`torch.nn.utils.clip_grad_norm_` operation for operation and the update is `torch.optim.AdamW(fused=True)`'s
+kernel (decoupled weight decay, no amsgrad), so a run here matches a plain PyTorch run to rounding.
 """
 
 from __future__ import annotations
@@ -62,17 +62,10 @@ def adamw_step(
         clip_coef = torch.clamp(grad_clip_norm / (total_norm + _CLIP_NORM_EPS), max=1.0)
         torch._foreach_mul_(grads_l, clip_coef)
 
-    if weight_decay != 0:
-        torch._foreach_mul_(params_l, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avg_l, grads_l, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sq_l, beta2)
-    torch._foreach_addcmul_(exp_avg_sq_l, grads_l, grads_l, 1 - beta2)
-
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    step_size = -(lr / bias_correction1)
-    denom = torch._foreach_sqrt(exp_avg_sq_l)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params_l, exp_avg_l, denom, step_size)
+    # PyTorch's fused AdamW kernel (what `AdamW(fused=True)` runs): one pass over the four buffers where the
+    # foreach ops above make eight (SmolLM2's 5.7M LoRA parameters on CPU: 2.5 vs 13 ms a step); the same
+    # arithmetic as `AdamW(foreach=True)` up to fp32 rounding.
+    step_tensor = torch.tensor(float(step), dtype=torch.float32, device=params_l[0].device)
+    torch._fused_adamw_(params_l, grads_l, exp_avg_l, exp_avg_sq_l, [], [step_tensor] * len(params_l), lr=lr,
+                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     return float(total_norm)
