@@ -91,9 +91,7 @@ class TokenChoice:
         scaled = logits * self.inv_temperature[:, None] if self.any_tempered else logits
         if self.any_filtered:
             scaled = scaled.masked_fill(~self._kept_tokens(scaled), -math.inf)
-        logp = torch.log_softmax(scaled, dim=-1)
-        tokens = inverse_cdf(logp, self.uniforms[:, step])
-        token_logp = logp.gather(1, tokens)
+        tokens, token_logp = inverse_cdf(scaled, self.uniforms[:, step])
         if self.any_greedy:
             greedy = self.greedy[:, None]
             tokens = torch.where(greedy, greedy_tokens, tokens)
@@ -120,19 +118,23 @@ class TokenChoice:
         return torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def inverse_cdf(logp: Tensor, uniforms: Tensor) -> Tensor:
-    """Token ids drawn from each row's distribution `exp(logp)` [B, V], one per uniform: uniforms [B] gives
-    [B, 1], uniforms [B, k] gives [B, k].
+def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """Token ids drawn from each row's distribution `softmax(log_weights)` [B, V] (-inf: never drawn), one per
+    uniform, and their log-probabilities: uniforms [B] gives [B, 1] each, uniforms [B, k] gives [B, k].
 
-    `right=True` returns the first index whose CDF exceeds the target, which never is a zero-probability
-    token as long as the target stays below the total (hence the clamp just under it).
+    The CDF is the cumulative sum of `exp(log_weights - row max)`, unnormalised, and the target each uniform
+    times its total: one [B, V] buffer and three passes over it, where a log-softmax first costs a second buffer
+    (its page faults, every step) and two passes more. `right=True` returns the first index whose CDF exceeds
+    the target, which never is a zero-probability token as long as the target stays below the total (hence the
+    clamp just under it).
     """
-    cdf = logp.exp().cumsum_(dim=-1)  # in place: a second [B, V] buffer costs its page faults every step
+    row_max = log_weights.amax(dim=-1, keepdim=True)
+    cdf = torch.sub(log_weights, row_max).exp_().cumsum_(dim=-1)
     total = cdf[:, -1:]
     targets = uniforms if uniforms.dim() == 2 else uniforms[:, None]
     targets = torch.minimum(targets * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, targets.contiguous(), right=True)
-    return index.clamp_(max=logp.shape[-1] - 1)
+    tokens = torch.searchsorted(cdf, targets.contiguous(), right=True).clamp_(max=log_weights.shape[-1] - 1)
+    return tokens, log_weights.gather(1, tokens) - row_max - total.log()
 
 
 def token_choice(rows: list[RowSpec], steps: int, vocab: int, device: torch.device) -> TokenChoice:

@@ -105,6 +105,4 @@ def _alt_draws(logits: Tensor, logp: Tensor, temperature: float, uniforms: Tenso
     if uniforms is None:
         ids = logp.argmax(dim=-1, keepdim=True).expand(-1, k)
         return ids, logp.gather(1, ids)
-    tempered = logp if temperature == 1 else torch.log_softmax(logits / temperature, dim=-1)
-    ids = inverse_cdf(tempered, uniforms)
-    return ids, tempered.gather(1, ids)
+    return inverse_cdf(logp if temperature == 1 else logits / temperature, uniforms)
