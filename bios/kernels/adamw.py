@@ -62,9 +62,9 @@ def adamw_step(
         clip_coef = torch.clamp(grad_clip_norm / (total_norm + _CLIP_NORM_EPS), max=1.0)
         torch._foreach_mul_(grads_l, clip_coef)
 
-    # PyTorch's fused AdamW kernel (what `AdamW(fused=True)` runs): one pass over the four buffers where the
-    # foreach ops above make eight (SmolLM2's 5.7M LoRA parameters on CPU: 2.5 vs 13 ms a step); the same
-    # arithmetic as `AdamW(foreach=True)` up to fp32 rounding.
+    # PyTorch's fused AdamW kernel (what `AdamW(fused=True)` runs): one pass over the four buffers where
+    # `AdamW(foreach=True)`'s ops make eight (SmolLM2's 5.7M LoRA parameters on CPU: 2.5 vs 13 ms a step), the
+    # same arithmetic up to fp32 rounding.
     step_tensor = torch.tensor(float(step), dtype=torch.float32, device=params_l[0].device)
     torch._fused_adamw_(params_l, grads_l, exp_avg_l, exp_avg_sq_l, [], [step_tensor] * len(params_l), lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

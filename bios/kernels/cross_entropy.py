@@ -175,8 +175,9 @@ def _logits_buffer(rows: int, weight: torch.Tensor) -> Iterator[_LogitsBuffer]:
     """The kept buffer if it fits `rows` rows of `weight`'s logits, else a new one (the old one freed first);
     kept again afterwards. Calls running at once get a buffer each, and the last to finish keeps its own."""
     buffer = _kept.pop() if _kept else None
-    if buffer is None or not buffer.fits(rows, weight):
-        buffer = None
+    if buffer is not None and not buffer.fits(rows, weight):
+        buffer = None  # freed before the new one is made: never both at once
+    if buffer is None:
         buffer = _LogitsBuffer(rows, weight)
     try:
         yield buffer

@@ -100,8 +100,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     for start in range(0, weight.shape[0], _OUT_BLOCK):
         block = slice(start, start + _OUT_BLOCK)
-        out[..., block].copy_(torch.ops.mkldnn._linear_pointwise(x, weight[block], None if bias is None else bias[block],
-                                                                 "none", [], ""))
+        block_bias = None if bias is None else bias[block]
+        out[..., block].copy_(torch.ops.mkldnn._linear_pointwise(x, weight[block], block_bias, "none", [], ""))
     return out
 
 
