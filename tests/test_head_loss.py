@@ -2,6 +2,8 @@
 log-probs path followed by the loss, and computes the head's logits once where that path computes them twice.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from test_kernels import TOLERANCE, LargestTensor, _bf16_close, _ce_inputs, _close, _grads, _naive_logprobs
@@ -85,6 +87,19 @@ def test_the_logits_buffer_is_kept_for_the_next_call_and_replaced_when_it_does_n
         with cross_entropy._logits_buffer(4, torch.empty(30, 8, dtype=torch.bfloat16)) as other:
             assert other is not lent
     assert cross_entropy._kept == [lent]  # the last to finish keeps its own
+
+
+def test_calls_from_several_threads_get_a_buffer_each_and_the_same_numbers():
+    hidden, weight, targets, token_weights, _, _ = _ce_inputs(24, 8, 50, torch.float32)
+    expected = linear_weighted_loss(hidden, weight, targets, token_weights, chunk_size=16)[0]
+
+    def calls() -> list[torch.Tensor]:
+        return [linear_weighted_loss(hidden, weight, targets, token_weights, chunk_size=16)[0] for _ in range(200)]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = [r for future in [pool.submit(calls) for _ in range(4)] for r in future.result()]
+    assert all(torch.equal(result, expected) for result in results)
+    assert len(cross_entropy._kept) == 1
 
 
 def test_weighted_loss_refuses_weights_of_another_length():

@@ -167,14 +167,17 @@ class _LogitsBuffer:
         return dlogits if self.softmax is self.matmul else self.matmul[: dlogits.shape[0]].copy_(dlogits)
 
 
-_kept: list[_LogitsBuffer] = []  # the buffer of the last call, at most one (list.pop and assignment are atomic)
+_kept: list[_LogitsBuffer] = []  # the buffer of the last call, at most one (`pop` and slice assignment are atomic)
 
 
 @contextmanager
 def _logits_buffer(rows: int, weight: torch.Tensor) -> Iterator[_LogitsBuffer]:
     """The kept buffer if it fits `rows` rows of `weight`'s logits, else a new one (the old one freed first);
     kept again afterwards. Calls running at once get a buffer each, and the last to finish keeps its own."""
-    buffer = _kept.pop() if _kept else None
+    try:
+        buffer = _kept.pop()
+    except IndexError:  # none kept, or lent to a call running meanwhile
+        buffer = None
     if buffer is not None and not buffer.fits(rows, weight):
         buffer = None  # freed before the new one is made: never both at once
     if buffer is None:
