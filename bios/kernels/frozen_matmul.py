@@ -8,8 +8,9 @@ SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. Wit
 (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products still gained (1.1-1.7x) but
 a training step lost (0.93x). So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`,
 the op Inductor uses for CPU linear layers): a training pass's products where oneDNN runs AVX-512, a decode
-step's few rows through a large weight everywhere; everything else (MKL's lower call cost wins on small
-products; GPUs, bf16, a build without oneDNN) through `torch.nn.functional.linear` and `torch.mm` as before.
+step's few rows through a large weight and a head's logits into the loss's buffer everywhere; everything else
+(MKL's lower call cost wins on small products; GPUs, bf16, a build without oneDNN) through
+`torch.nn.functional.linear` and `torch.mm` as before.
 Results agree to fp32 rounding (another summation order).
 
 `BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
@@ -46,7 +47,8 @@ def gemm_library(weight: torch.Tensor) -> str:
     if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, weight.numel()):
         return f"oneDNN (BIOS_GEMM={gemm_backend()}; aten keeps PyTorch's MKL)"
     if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
-        return "MKL, and oneDNN for a decode step's wide products (BIOS_GEMM=onednn: oneDNN for all)"
+        return ("MKL, and oneDNN for a decode step's wide products and a head's logits "
+                "(BIOS_GEMM=onednn: oneDNN for all)")
     return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
 
 
