@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bios.kernels.prepacked import prepacked
+from bios.kernels.prepacked import merges, prepacked
 
 _SETTINGS = ("auto", "onednn", "aten")
 
@@ -127,6 +127,15 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if out is None:
         return F.linear(x, weight, bias)
     return torch.addmm(bias, x, weight.T, out=out) if bias is not None else torch.mm(x, weight.T, out=out)
+
+
+def adapter_copy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                        lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`x Wᵀ + b + scale·(x Aᵀ) Bᵀ` for x [rows, in] through a prepacked copy with the adapter in it, inside a
+    `PrepackedWeights.using(adapter=True)` block: `merged_linear` where the weight's dtype keeps a merged update
+    (`prepacked.merges`), else `stacked_linear`; None where there is no such copy."""
+    linear = merged_linear if merges(weight.dtype) else stacked_linear
+    return linear(x, weight, bias, lora_a, lora_b, scale)
 
 
 def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,

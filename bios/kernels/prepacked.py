@@ -164,10 +164,16 @@ def prepacked(x: torch.Tensor, weight: torch.Tensor, *, lora_a: torch.Tensor | N
         return None
     if lora_a is None:
         return keeper._copy(weight, None)
-    if lora_a.dtype != weight.dtype or (lora_b is not None and (weight.dtype != torch.float32
+    if lora_a.dtype != weight.dtype or (lora_b is not None and (not merges(weight.dtype)
                                                                  or lora_b.dtype != weight.dtype)):
         return None
     return keeper._copy(weight, _Update(lora_a, lora_b, float(scale)))
+
+
+def merges(dtype: torch.dtype) -> bool:
+    """Whether a copy in `dtype` may hold `W + scale·B·A`: fp32 only, as a bf16 sum rounds a young adapter's small
+    update away (see the module docstring); copies in other dtypes stack `[W; A]`."""
+    return dtype == torch.float32
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
-from bios.kernels.frozen_matmul import frozen_linear, gemm_library, merged_linear, stacked_linear
+from bios.kernels.frozen_matmul import adapter_copy_linear, frozen_linear, gemm_library
 from bios.kernels.grad_wanted import grad_wanted
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
@@ -59,8 +59,8 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     `x Aᵀ` are kept for backward (no dropout: it would force an activation-sized copy of `x`). Several
     adapters loop over their row ranges rather than gathering a weight copy per row. With kernels on,
     `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries, and a decode
-    step whose rows all use one adapter multiplies by a prepacked copy of `W + scale·B·A` (`merged_linear`, fp32)
-    or of `[W; A]` (`stacked_linear`).
+    step whose rows all use one adapter multiplies by a prepacked copy with the adapter in it
+    (`adapter_copy_linear`: `W + scale·B·A` in fp32, `[W; A]` otherwise).
     """
     if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
         segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
@@ -89,9 +89,7 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
 def _adapter_copy_forward(x: Tensor, weight: Tensor, bias: Tensor | None, whole: LoraSegment) -> Tensor | None:
     """A decode step whose rows all use one adapter, through a prepacked copy of `W + scale·B·A` (fp32) or of
     `[W; A]` (`bios.kernels.prepacked`); None outside the sampler's decode block."""
-    rows = x.reshape(-1, x.shape[-1])
-    args = (rows, weight, bias, whole.lora_a, whole.lora_b, whole.scale)
-    y = merged_linear(*args) if x.dtype == torch.float32 else stacked_linear(*args)
+    y = adapter_copy_linear(x.reshape(-1, x.shape[-1]), weight, bias, whole.lora_a, whole.lora_b, whole.scale)
     return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
