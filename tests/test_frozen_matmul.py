@@ -5,11 +5,14 @@ meaning does not depend on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_kernel_integration import random_batch, smollm2_shaped
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bios.kernels import frozen_matmul
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear, gemm_backend, gemm_library
 from bios.types import LoraConfig
 from bios.worker.adapter import AdapterState
@@ -61,19 +64,25 @@ def _uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return "mkldnn._linear_pointwise" in ops.names
 
 
-def test_auto_takes_onednn_where_it_measured_faster_and_bad_settings_are_refused(monkeypatch):
+@pytest.mark.parametrize("intel", [False, True])
+def test_auto_takes_onednn_where_it_measured_faster_and_bad_settings_are_refused(intel, monkeypatch):
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(frozen_matmul, "intel_cpu", lambda: intel)
     assert gemm_backend() == "auto"
     onednn = torch.backends.mkldnn.is_available()
     generator = torch.Generator().manual_seed(0)
     small, wide = torch.randn(200, 96, generator=generator), torch.randn(1024, 512, generator=generator)
     assert not _uses_onednn(torch.randn(4, 96), small)  # a decode step's rows through a small projection
-    assert _uses_onednn(torch.randn(4, 512), wide) == onednn  # ... through a wide one (a head)
+    assert _uses_onednn(torch.randn(4, 512), wide) == onednn  # ... through a wide one (a head), on any CPU
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert _uses_onednn(torch.randn(100, 96), small) == (onednn and avx512)  # a training pass's rows
+    # a training pass's rows: oneDNN's AVX-512 kernels, except on Intel's CPUs, where MKL runs its own best ones
+    assert _uses_onednn(torch.randn(100, 96), small) == (onednn and avx512 and not intel)
+    assert gemm_library(small).startswith("oneDNN") == (onednn and avx512 and not intel)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN held to AVX2: training products stay on MKL
     assert not _uses_onednn(torch.randn(100, 96), small)
+    assert gemm_library(small).endswith("wide products and a head's logits (BIOS_GEMM=onednn: oneDNN for all)") == (
+        onednn and not intel)
     assert not _uses_onednn(torch.randn(100, 96, dtype=torch.bfloat16), small.bfloat16())  # bf16: PyTorch's
     assert gemm_library(small.bfloat16()).startswith("PyTorch's CPU matmul")  # what the worker logs
     assert gemm_library(small).startswith("MKL, and oneDNN for a decode step's wide products") == onednn
@@ -89,10 +98,11 @@ def test_auto_takes_onednn_where_it_measured_faster_and_bad_settings_are_refused
 
 @pytest.mark.parametrize("isa", ["", "AVX2"])
 def test_a_wide_product_into_a_buffer_goes_to_onednn_block_by_block(isa, monkeypatch):
-    """A head's logits for the loss: oneDNN on either instruction set, in blocks of output features (the last one
-    partial), each copied into the caller's buffer; the same numbers as one product."""
+    """A head's logits for the loss off Intel's CPUs: oneDNN on either instruction set, in blocks of output
+    features (the last one partial), each copied into the caller's buffer; the same numbers as one product."""
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    monkeypatch.setattr(frozen_matmul, "intel_cpu", lambda: False)
     generator = torch.Generator().manual_seed(0)
     x, bias = torch.randn(100, 32, generator=generator), torch.randn(4 * 4096 + 5, generator=generator)
     head = torch.randn(4 * 4096 + 5, 32, generator=generator)
@@ -104,6 +114,26 @@ def test_a_wide_product_into_a_buffer_goes_to_onednn_block_by_block(isa, monkeyp
     torch.testing.assert_close(buffer.double(), x.double() @ head.double().T + bias.double(), rtol=0, atol=1e-4)
     assert _uses_onednn(x, head) == (torch.backends.mkldnn.is_available() and isa == ""
                                      and torch.backends.cpu.get_cpu_capability() == "AVX512")  # no buffer: the rule
+
+
+def test_on_an_intel_cpu_a_wide_product_into_a_buffer_stays_on_mkl(monkeypatch):
+    """There MKL's sgemm into the buffer measured faster than oneDNN's blocks (module docstring)."""
+    monkeypatch.delenv("BIOS_GEMM", raising=False)
+    monkeypatch.setattr(frozen_matmul, "intel_cpu", lambda: True)
+    generator = torch.Generator().manual_seed(0)
+    x, head = torch.randn(100, 32, generator=generator), torch.randn(4 * 4096 + 5, 32, generator=generator)
+    buffer = torch.full((100, head.shape[0]), float("nan"))
+    with Ops() as ops:
+        assert frozen_linear(x, head, out=buffer) is buffer
+    assert "mkldnn._linear_pointwise" not in ops.names
+    torch.testing.assert_close(buffer.double(), x.double() @ head.double().T, rtol=0, atol=1e-4)
+
+
+def test_intel_cpu_reads_the_vendor_once():
+    vendors = {line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("vendor_id")} if Path("/proc/cpuinfo").exists() else set()
+    assert frozen_matmul.intel_cpu() == (vendors == {"GenuineIntel"})
+    assert frozen_matmul.intel_cpu.cache_info().currsize == 1
 
 
 def adapted_smollm2_shaped(monkeypatch):

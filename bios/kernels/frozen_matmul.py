@@ -6,11 +6,14 @@ torch 2.13.0+cpu, 2 threads) oneDNN's fp32 GEMM ran 1.1-1.2x MKL's on a training
 576: 207 vs 178 GFLOP/s; 2048^3: 212 vs 177) and 1.2-2.3x on a decode step's few rows (16 rows through
 SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. With oneDNN held to AVX2
 (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products still gained (1.1-1.7x) but
-a training step lost (0.93x). So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`,
-the op Inductor uses for CPU linear layers): a training pass's products where oneDNN runs AVX-512, a decode
-step's few rows through a large weight and a head's logits into the loss's buffer everywhere; everything else
-(MKL's lower call cost wins on small products; GPUs, bf16, a build without oneDNN) through
-`torch.nn.functional.linear` and `torch.mm` as before.
+a training step lost (0.93x). MKL picks its kernels by the CPU's vendor, though: on an Intel Xeon (AMX, AVX-512,
+2 threads) its sgemm beat oneDNN's on every training shape (0.81-0.95x for oneDNN, the head's logits into the
+loss's buffer 0.94x; with both held to AVX2 0.77-1.00x), and a whole fp32 step ran 1.60 s on MKL against 1.69 s.
+So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for
+CPU linear layers): a decode step's few rows through a large weight everywhere; a training pass's products
+where oneDNN runs AVX-512 and a head's logits into the loss's buffer, both on CPUs other than Intel's; everything
+else (MKL's lower call cost wins on small products; Intel CPUs' training passes; GPUs, bf16, a build without
+oneDNN) through `torch.nn.functional.linear` and `torch.mm` as before.
 Results agree to fp32 rounding (another summation order).
 
 `BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
@@ -22,6 +25,8 @@ so) or `aten` (PyTorch's own choice everywhere). These are plain functions witho
 from __future__ import annotations
 
 import os
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +52,8 @@ def gemm_library(weight: torch.Tensor) -> str:
     if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, weight.numel()):
         return f"oneDNN (BIOS_GEMM={gemm_backend()}; aten keeps PyTorch's MKL)"
     if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
-        return ("MKL, and oneDNN for a decode step's wide products and a head's logits "
-                "(BIOS_GEMM=onednn: oneDNN for all)")
+        head = " and a head's logits" if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, 0, True) else ""
+        return f"MKL, and oneDNN for a decode step's wide products{head} (BIOS_GEMM=onednn: oneDNN for all)"
     return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
 
 
@@ -58,8 +63,9 @@ _DECODE_ROWS = 64
 _ONEDNN_MIN_WEIGHT = 1 << 19  # elements
 # A training pass's rows through a wide weight into a buffer (the head's logits for the loss): oneDNN in blocks of
 # output features, each result small enough to stay in cache and in the allocator's reused memory, then copied.
-# SmolLM2's 512 x 576 -> 49152: 150-153 ms against 176 ms in one oneDNN call plus its copy and 222 ms for MKL into
-# the buffer; with oneDNN held to AVX2 162-168 against 208 ms for MKL (whose win elsewhere keeps it there).
+# SmolLM2's 512 x 576 -> 49152 (AMD EPYC): 150-153 ms against 176 ms in one oneDNN call plus its copy and 222 ms
+# for MKL into the buffer; with oneDNN held to AVX2 162-168 against 208 ms for MKL (whose win elsewhere keeps it
+# there). On an Intel Xeon MKL into the buffer took 99 ms against 105 (AVX2: 146 against 147), so MKL keeps it.
 _OUT_BLOCK = 4096
 _WIDE_OUT = 4 * _OUT_BLOCK
 
@@ -76,7 +82,20 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
         return True
     if rows <= _DECODE_ROWS:
         return weight_elements >= _ONEDNN_MIN_WEIGHT
-    return _avx512() or wide_into_buffer
+    return (_avx512() or wide_into_buffer) and not intel_cpu()
+
+
+@cache
+def intel_cpu() -> bool:
+    """Whether this is an Intel CPU (`vendor_id` GenuineIntel in /proc/cpuinfo), where MKL runs its own fastest
+    kernels: its sgemm beat oneDNN's on a training pass's shapes there (module docstring), where on AMD's it
+    lost to oneDNN's AVX-512 ones. False where /proc/cpuinfo does not say."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    vendors = {line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")}
+    return vendors == {"GenuineIntel"}
 
 
 def _avx512() -> bool:
