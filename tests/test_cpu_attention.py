@@ -112,3 +112,13 @@ def test_a_bf16_model_decodes_at_least_as_close_to_fp32_as_with_sdpa():
     sdpa = (_decoded_logprobs(model, tokens, "sdpa") - truth).abs()
     assert ours.mean() <= 1.25 * sdpa.mean() + 1e-3, (ours.mean(), sdpa.mean())
     assert ours.max() <= 1.25 * sdpa.max() + 1e-3, (ours.max(), sdpa.max())
+
+
+def test_a_call_with_extras_reads_an_fp32_cache_in_the_querys_dtype():
+    """A position bias and the like go to Transformers' SDPA, which needs one dtype: keys and values from an fp32
+    decode cache (`cache_dtype`) are cast back to the query's, as the cache held them before."""
+    query, key, value = _qkv(1, torch.bfloat16)
+    module, bias = _Attention(), torch.randn(4, 9, 1, 40).to(torch.bfloat16)
+    ours, _ = cpu_attention(module, query, key.float(), value.float(), None, position_bias=bias)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None, position_bias=bias)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)

@@ -61,3 +61,22 @@ def test_keys_replaced_by_the_layers_own_methods_are_taken_up():
     keys, values = _states(generator, 2, 1)
     expected, got = plain.update(keys, values, 0), roomy.update(keys, values, 0)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_room_in_another_dtype_holds_the_same_values_in_it():
+    """A bf16 model's decode cache kept in fp32 (what `cpu_attention` reads): every step returns the growing
+    cache's keys and values, exactly, in fp32, through a reorder and past the reserve."""
+    generator = torch.Generator().manual_seed(3)
+    plain, roomy = DynamicCache(), DynamicCache()
+    keys, values = (t.bfloat16() for t in _states(generator, 3, 4))
+    plain.update(keys, values, 0)
+    roomy.update(keys, values, 0)
+    assert reserve_decode_room(roomy, 2, torch.float32) == 1
+    for step in range(4):
+        if step == 1:
+            plain.reorder_cache(torch.tensor([2, 0, 1]))
+            roomy.reorder_cache(torch.tensor([2, 0, 1]))
+        keys, values = (t.bfloat16() for t in _states(generator, 3, 1))
+        expected, got = plain.update(keys, values, 0), roomy.update(keys, values, 0)
+        assert got[0].dtype == got[1].dtype == torch.float32
+        assert torch.equal(got[0], expected[0].float()) and torch.equal(got[1], expected[1].float())

@@ -362,6 +362,29 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     assert not holds_merged_copy(keeper)  # too few steps to repay them
 
 
+def test_a_bf16_models_decode_cache_is_kept_in_fp32_with_the_same_results(model, tokenizer, monkeypatch):
+    """On CPU the attention reads a bf16 cache in fp32 (`cpu_attention`), so the decode keeps it in fp32 and casts
+    one new position a step: the same tokens and logprobs, bit for bit, as a bf16 cache cast at every step."""
+    import copy
+
+    from bios.worker import sampling
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    adapter = perturbed_adapter(bf16, "a", seed=7)
+    items = [SampleItem(adapter, PROMPTS[0], 3, SamplingParams(max_tokens=10, seed=4, stop=[])),
+             SampleItem(None, PROMPTS[3], 2, SamplingParams(max_tokens=6, seed=5, stop=[]))]
+    dtypes, reserve = [], sampling.reserve_decode_room
+    monkeypatch.setattr(sampling, "reserve_decode_room",
+                        lambda cache, steps, dtype=None: dtypes.append(dtype) or reserve(cache, steps, dtype))
+    fp32_cache = generate(bf16, tokenizer, items, eos_token_id=EOS)
+    monkeypatch.setattr(sampling, "cache_dtype", lambda dtype, device: dtype)
+    bf16_cache = generate(bf16, tokenizer, items, eos_token_id=EOS)
+    assert dtypes == [torch.float32, torch.bfloat16]
+    for ours, theirs in zip(fp32_cache, bf16_cache):
+        assert [s.tokens for s in ours.sequences] == [s.tokens for s in theirs.sequences]
+        assert [s.logprobs for s in ours.sequences] == [s.logprobs for s in theirs.sequences]
+
+
 def test_an_adapters_factors_are_cast_once_per_version_for_sampling(model):
     """The sampler reads each layer's factors in the model's dtype at every step; casting them once per version of
     the adapter (not per call or per compaction) keeps a bf16 decode's prepacked copies of `[W; A]` alive."""

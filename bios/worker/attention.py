@@ -35,6 +35,11 @@ def use_bios_attention(model: nn.Module) -> bool:
         AttentionInterface.register(ATTENTION, cpu_attention)
         AttentionMaskInterface.register(ATTENTION, packed_sdpa_mask)
         model.set_attn_implementation(ATTENTION)  # a model outside AttentionInterface keeps its own (a warning)
+    return runs_bios_attention(model)
+
+
+def runs_bios_attention(model: nn.Module) -> bool:
+    """Whether `model` attends through Bios's attention (after `use_bios_attention`)."""
     return getattr(model.config, "_attn_implementation", None) == ATTENTION
 
 

@@ -22,14 +22,15 @@ class _RoomyLayer(DynamicLayer):
     _key_buffer: Tensor
     _value_buffer: Tensor
 
-    def _reserve(self, room: int) -> None:
-        self._key_buffer = _with_room(self.keys, room)
-        self._value_buffer = _with_room(self.values, room)
+    def _reserve(self, room: int, dtype: torch.dtype | None = None) -> None:
+        self._key_buffer = _with_room(self.keys, room, dtype)
+        self._value_buffer = _with_room(self.values, room, dtype)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         filled, added = self.keys.shape[-2], key_states.shape[-2]
         if filled + added > self._key_buffer.shape[-2] or not self._in_buffer():
-            self._reserve(max(added, filled))  # past the reserve, or keys replaced by DynamicLayer's own methods
+            self._reserve(max(added, filled), self._key_buffer.dtype)  # past the reserve, or keys replaced by
+            # DynamicLayer's own methods
         self._key_buffer[:, :, filled : filled + added].copy_(key_states)
         self._value_buffer[:, :, filled : filled + added].copy_(value_states)
         self.keys = self._key_buffer[:, :, : filled + added]
@@ -49,20 +50,21 @@ class _RoomyLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, :filled]
 
 
-def _with_room(states: Tensor, room: int) -> Tensor:
+def _with_room(states: Tensor, room: int, dtype: torch.dtype | None) -> Tensor:
     batch, heads, filled, width = states.shape
-    buffer = states.new_empty(batch, heads, filled + room, width)
+    buffer = states.new_empty(batch, heads, filled + room, width, dtype=dtype or states.dtype)
     buffer[:, :, :filled].copy_(states)
     return buffer
 
 
-def reserve_decode_room(cache: DynamicCache, steps: int) -> int:
-    """Give every filled plain `DynamicLayer` of `cache` room for `steps` more positions, in place; returns how
-    many layers now have room."""
+def reserve_decode_room(cache: DynamicCache, steps: int, dtype: torch.dtype | None = None) -> int:
+    """Give every filled plain `DynamicLayer` of `cache` room for `steps` more positions, in place, its keys and
+    values from then on in `dtype` (None: as they are; the attention must read that dtype); returns how many
+    layers now have room."""
     reserved = 0
     for layer in cache.layers:
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.dim() == 4:
             layer.__class__ = _RoomyLayer
-            layer._reserve(steps)
+            layer._reserve(steps, dtype)
             reserved += 1
     return reserved

@@ -6,7 +6,8 @@ an attention mask and position ids that skip the pads) and its cache is repeated
 decode step per token runs all unfinished rows together, rows of one adapter contiguous so each LoRA layer
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
 it is done, so long-running samples do not drag finished ones along. The cache gets room for the decode steps
-up front (`kv_cache.reserve_decode_room`: one position written per step, not the whole cache copied), and on
+up front (`kv_cache.reserve_decode_room`: one position written per step, not the whole cache copied; in the
+dtype the attention reads, `cpu_attention.cache_dtype`), and on
 CPU the steps multiply by prepacked copies of the frozen weights (`bios.kernels.prepacked`), with the adapter in
 them when every row uses one adapter for enough steps (`_ADAPTER_COPIES_MIN_STEPS`).
 
@@ -36,7 +37,8 @@ from bios.exceptions import BadRequestError
 from bios.kernels.prepacked import PrepackedWeights
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
-from bios.worker.attention import use_bios_attention
+from bios.worker.attention import runs_bios_attention, use_bios_attention
+from bios.worker.cpu_attention import cache_dtype
 from bios.worker.kv_cache import reserve_decode_room
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
@@ -307,7 +309,8 @@ def _decode(
     generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
-    reserve_decode_room(cache, steps)
+    weights = model.get_input_embeddings().weight
+    reserve_decode_room(cache, steps, cache_dtype(weights.dtype, device) if runs_bios_attention(model) else None)
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
