@@ -25,12 +25,11 @@ so) or `aten` (PyTorch's own choice everywhere). These are plain functions witho
 from __future__ import annotations
 
 import os
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bios.kernels import cpu_vendor
 from bios.kernels.prepacked import merges, prepacked
 
 _SETTINGS = ("auto", "onednn", "aten")
@@ -82,20 +81,7 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
         return True
     if rows <= _DECODE_ROWS:
         return weight_elements >= _ONEDNN_MIN_WEIGHT
-    return (_avx512() or wide_into_buffer) and not intel_cpu()
-
-
-@cache
-def intel_cpu() -> bool:
-    """Whether this is an Intel CPU (`vendor_id` GenuineIntel in /proc/cpuinfo), where MKL runs its own fastest
-    kernels: its sgemm beat oneDNN's on a training pass's shapes there (module docstring), where on AMD's it
-    lost to oneDNN's AVX-512 ones. False where /proc/cpuinfo does not say."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return False
-    vendors = {line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")}
-    return vendors == {"GenuineIntel"}
+    return (_avx512() or wide_into_buffer) and not cpu_vendor.intel_cpu()
 
 
 def _avx512() -> bool:
