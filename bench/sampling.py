@@ -132,17 +132,18 @@ async def one_prompt_many_samples(model_name: str, prompt: list[int], samples: i
 
 
 def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: int = 5) -> float:
-    """Seconds of one decode step's weight matmuls alone (fastest of `rounds`, through the faster of PyTorch's
-    own matmul and oneDNN's with prepacked weights: `bios.kernels.frozen_matmul`, `bios.kernels.prepacked`): the
+    """Seconds of one decode step's weight matmuls alone (fastest of `rounds`, through the fastest of PyTorch's
+    own matmul, oneDNN's with prepacked weights and, on Intel CPUs, MKL's packed ones: `bios.kernels.frozen_matmul`,
+    `bios.kernels.prepacked`): the
     floor of any sampler that reads these weights in this dtype for `rows` sequences per step with these
     libraries."""
     model = load_base_model(model_name, dtype=dtype).model
     weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights}
     best, setting = float("inf"), os.environ.get("BIOS_GEMM")
-    with torch.inference_mode(), PrepackedWeights().using():
+    with torch.inference_mode(), PrepackedWeights().using(rows=rows):
         for _ in range(rounds):
-            for backend in ("aten", "onednn"):
+            for backend in ("aten", "onednn", "auto"):
                 os.environ["BIOS_GEMM"] = backend
                 started = time.perf_counter()
                 for weight in weights:

@@ -4,7 +4,8 @@ until released or until the weight is freed; the numbers are those of the plain 
 outside a block, with `BIOS_PREPACK=off` or `BIOS_GEMM=aten`, or past half of the free memory. The worker keeps
 copies across cycles that only sample and releases them before anything else. A decode step whose rows all use
 one fp32 adapter multiplies by one copy of `W + scale·B·A`, remade when the adapter changes; in bf16 by one of
-`[W; A]`."""
+`[W; A]`. On Intel CPUs an fp32 copy is an MKL pack for the block's rows, fewer padded and more taken in parts.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 import bios.kernels.prepacked as prepacked_module
 from bios import messages as m
 from bios import types
+from bios.kernels import cpu_vendor
 from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear, stacked_linear
-from bios.kernels.prepacked import PrepackedWeights, prepacked
+from bios.kernels.prepacked import MklPack, PrepackedWeights, prepacked
 
 
 def _inputs(dtype=torch.float32, rows=16):
@@ -34,6 +36,7 @@ def _inputs(dtype=torch.float32, rows=16):
 def _defaults(monkeypatch):
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
     monkeypatch.delenv("BIOS_GEMM", raising=False)
+    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: False)  # oneDNN's copies (MKL's: the tests that say so)
 
 
 def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_numbers():
@@ -56,6 +59,36 @@ def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_number
     assert keeper.held_bytes() == 0
     with torch.inference_mode(), keeper.using():
         assert prepacked(x, weight) is not copy
+
+
+def test_on_intel_cpus_fp32_copies_are_mkl_packs_for_the_blocks_rows(monkeypatch):
+    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: True)
+    x, weight, bias = _inputs(rows=37)
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using(rows=16):
+        copy = prepacked(x[:16], weight)
+        results = {rows: frozen_linear(x[:rows], weight, bias) for rows in (16, 7, 37)}  # fewer: padded; more: parts
+        rows3d = frozen_linear(x[:16, None], weight, bias)
+        assert prepacked(x[:7], weight) is copy
+    assert isinstance(copy, MklPack) and copy.rows == 16 and keeper.held_bytes() == weight.numel() * 4
+    for rows, result in results.items():
+        torch.testing.assert_close(result, F.linear(x[:rows], weight, bias), rtol=1e-5, atol=1e-4)
+    assert rows3d.shape == (16, 1, 200) and torch.equal(rows3d[:, 0], results[16])
+    with torch.inference_mode(), keeper.using(rows=9):  # a smaller batch: padded up to the copy's 16 rows
+        assert prepacked(x[:9], weight) is copy
+    with torch.inference_mode(), keeper.using(rows=20):  # a larger one: packed anew for the next multiple of 16
+        again = prepacked(x[:20], weight)
+    assert isinstance(again, MklPack) and again.rows == 32 and keeper.held_bytes() == weight.numel() * 4
+    lora_a, lora_b = _factors(weight)
+    with torch.inference_mode(), keeper.using(adapter=True, rows=5):
+        merged = merged_linear(x[:5], weight, bias, lora_a, lora_b, 0.5)
+        assert prepacked(x[:5], weight, lora_a=lora_a, lora_b=lora_b, scale=0.5).rows == 16
+    torch.testing.assert_close(merged, F.linear(x[:5], weight, bias) + 0.5 * (x[:5] @ lora_a.T) @ lora_b.T,
+                               rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("BIOS_GEMM", "onednn")  # oneDNN's copies on request
+    with torch.inference_mode(), keeper.using(rows=8):
+        assert prepacked(x[:8], weight).is_mkldnn
+    assert keeper.held_bytes() == weight.numel() * 4  # in place of the MKL pack; the merged copy went with its block
 
 
 def test_a_view_taken_anew_each_call_reuses_its_copy():

@@ -326,13 +326,18 @@ def test_frozen_copy_samples_like_its_source_and_ignores_later_training(model, t
     assert run(model, tokenizer, items(adapter))[0].sequences[0].tokens != before.tokens
 
 
-def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_same_results(model, tokenizer,
+@pytest.mark.parametrize("intel", [False, True])
+def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_same_results(model, tokenizer, intel,
                                                                                          monkeypatch):
     """fp32 decode steps whose rows all use one adapter, for enough steps to repay the copies, multiply by
-    prepacked copies of W + scale·B·A: the same tokens and logprobs (to fp32 rounding) as the plain path."""
-    from bios.kernels.prepacked import PrepackedWeights, prepacked
+    prepacked copies of W + scale·B·A (oneDNN's, or MKL's packs on Intel CPUs): the same tokens and logprobs (to
+    fp32 rounding) as the plain path."""
+    from bios.kernels import cpu_vendor
+    from bios.kernels.prepacked import MklPack, PrepackedWeights, prepacked
 
+    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: intel)
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
+    monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.setenv("BIOS_KERNELS", "1")  # the stock ops (`BIOS_KERNELS=0`) multiply by the plain weights
     model = model.float()
     adapter = perturbed_adapter(model, "a", seed=6)
@@ -341,8 +346,9 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
 
     def holds_merged_copy(keeper) -> bool:
         held = keeper.held_bytes()
-        with torch.inference_mode(), keeper.using(adapter=True):
-            prepacked(torch.zeros(1, weight.shape[1]), weight, lora_a=lora_a, lora_b=lora_b, scale=adapter.scale)
+        with torch.inference_mode(), keeper.using(adapter=True, rows=3):
+            copy = prepacked(torch.zeros(1, weight.shape[1]), weight, lora_a=lora_a, lora_b=lora_b, scale=adapter.scale)
+            assert isinstance(copy, MklPack) == intel
             return keeper.held_bytes() == held  # (on leaving, the block drops the merged copies it did not use)
 
     long = SampleItem(adapter, PROMPTS[1], 3, SamplingParams(max_tokens=40, seed=2, stop=[]))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bios.kernels import cpu_vendor
-from bios.kernels.prepacked import merges, prepacked
+from bios.kernels.prepacked import MklPack, merges, prepacked
 
 _SETTINGS = ("auto", "onednn", "aten")
 
@@ -112,11 +112,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def prepacked_linear(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None, *,
+def prepacked_linear(x: torch.Tensor, copy: torch.Tensor | MklPack, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x Wᵀ + b` by W's prepacked copy (`bios.kernels.prepacked`; its blocked layout cannot be sliced), into
-    `out` if given."""
-    result = torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+    """`x Wᵀ + b` by W's prepacked copy (`bios.kernels.prepacked`: oneDNN's blocked layout, which cannot be
+    sliced, or an MKL pack), into `out` if given."""
+    if isinstance(copy, MklPack):
+        result = copy.linear(x, bias)
+    else:
+        result = torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
     return result if out is None else out.copy_(result)
 
 

@@ -23,6 +23,13 @@ element's change under half a unit in the last place of W's is lost), where addi
 output keeps it. In bf16 the copy stacks A under W instead (`prepacked(..., lora_a=)`, `[W; A]`): one product
 gives `x Wᵀ` and `x Aᵀ`, and only the `Bᵀ` product stays a call of its own (SmolLM2, 16 x 64: 79.4 -> 75.0 ms a
 step, the same tokens).
+
+On Intel CPUs an fp32 copy is MKL's packed sgemm weight instead (`MklPack`): a decode step's weight products
+there took 36.8 / 50.0 / 68.8 ms for 16 / 32 / 64 rows against oneDNN's copies' 43.1 / 57.9 / 91.8 (SmolLM2,
+Intel Xeon, 2 threads). MKL packs a weight for one row count, so the sampler opens a block with its batch's rows
+(`using(rows=)`), rounded up to a multiple of 16 (`_MKL_ROWS_STEP`): fewer rows (a smaller batch, or finished rows
+dropped) are padded up to it, and only a block that needs another multiple remakes the copies (SmolLM2: ~0.7 s).
+`BIOS_GEMM=onednn` keeps oneDNN's copies there too.
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ from typing import NamedTuple
 import psutil
 import torch
 
+from bios.kernels import cpu_vendor
+
 # The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
 _ROWS_HINT = 16
+# MKL packs are made for the block's rows rounded up to a multiple of this: a padded row costs little in a
+# decode step's few rows (16 rows ran 36.8 ms, 32 rows 50.0 ms), a remade copy costs ~10 steps.
+_MKL_ROWS_STEP = 16
 
 
 class PrepackedWeights:
@@ -57,19 +69,22 @@ class PrepackedWeights:
         self._room = 0  # bytes more copies may take in the current `using()` block
         self._adapter_copies = False  # whether the current block makes and uses copies with an adapter in them
         self._adapter_keys_used: set[tuple] = set()  # the keys of such copies the current block used
+        self._rows = _MKL_ROWS_STEP  # the rows MKL packs are made for in the current block
 
     @contextmanager
-    def using(self, *, adapter: bool = False) -> Iterator[None]:
+    def using(self, *, adapter: bool = False, rows: int = _ROWS_HINT) -> Iterator[None]:
         """Within this block `prepacked(x, weight)` returns copies, making new ones within half of the memory
         free when it starts. With `adapter` (the sampler's call when every row uses one adapter for long enough
         to repay the copies) also copies with that adapter in them; those of other adapters, or of none used
-        in the block, are dropped when it ends, so at most one adapter's are kept."""
+        in the block, are dropped when it ends, so at most one adapter's are kept. `rows`: the most rows a
+        product in the block has (MKL packs are made for it)."""
         if prepack_setting() == "off":
             self.release()
             token = _ACTIVE.set(None)
         else:
             self._room = psutil.virtual_memory().available // 2
             self._adapter_copies, self._adapter_keys_used = adapter, set()
+            self._rows = -(-rows // _MKL_ROWS_STEP) * _MKL_ROWS_STEP
             token = _ACTIVE.set(self)
         try:
             yield
@@ -86,7 +101,7 @@ class PrepackedWeights:
     def held_bytes(self) -> int:
         return sum(held.nbytes for held in self._copies.values())
 
-    def _copy(self, weight: torch.Tensor, update: _Update | None) -> torch.Tensor | None:
+    def _copy(self, weight: torch.Tensor, update: _Update | None) -> torch.Tensor | MklPack | None:
         """The copy of `weight` (with `update` in it, if given), made now if it has none and one fits in this
         block's room; else None. A copy made from an older version of the update's factors is replaced."""
         if update is not None and not self._adapter_copies:
@@ -99,7 +114,9 @@ class PrepackedWeights:
         if update is not None:
             self._adapter_keys_used.add(key)
         held = self._copies.get(key)
-        if held is not None and held.owner() is owner and held.version == version:
+        mkl = weight.dtype == torch.float32 and mkl_packs()
+        if (held is not None and held.owner() is owner and held.version == version
+                and isinstance(held.copy, MklPack) == mkl and (not mkl or held.copy.rows == self._rows)):
             return held.copy
         stacked_rows = update.lora_a.shape[0] if update is not None and update.lora_b is None else 0
         nbytes = (weight.shape[0] + stacked_rows) * weight.shape[1] * weight.element_size()
@@ -108,7 +125,9 @@ class PrepackedWeights:
             self._room += held.nbytes
         if nbytes > self._room:
             return None
-        copy = torch.ops.mkldnn._reorder_linear_weight(_plain(weight.detach(), update).contiguous(), _ROWS_HINT)
+        plain = _plain(weight.detach(), update).contiguous()
+        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._rows), weight.detach(), self._rows)
+                if mkl else torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT))
         drop = lambda _, key=key: self._copies.pop(key, None)  # noqa: E731
         self._copies[key] = _Held(weakref.ref(owner, drop), copy, nbytes, version,
                                   None if update is None else weakref.ref(update.lora_a, drop))
@@ -125,6 +144,33 @@ def _plain(weight: torch.Tensor, update: _Update | None) -> torch.Tensor:
     return torch.addmm(weight, update.lora_b.detach(), update.lora_a.detach(), alpha=update.scale)
 
 
+class MklPack(NamedTuple):
+    """A weight (or `W + scale·B·A`) packed by MKL for products of exactly `rows` rows."""
+
+    packed: torch.Tensor
+    weight: torch.Tensor  # the plain weight: its shape, for the op (never multiplied by: every call has `rows`)
+    rows: int
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x Wᵀ + b` for x [..., in]: fewer rows padded up to `rows`, more taken `rows` at a time."""
+        flat = x.reshape(-1, x.shape[-1])
+        total = flat.shape[0]
+        if total == self.rows:
+            result = self._product(flat, bias)
+        else:
+            parts = []
+            for start in range(0, total, self.rows):
+                part = flat[start : start + self.rows]
+                if part.shape[0] < self.rows:
+                    part = torch.cat([part, part.new_zeros(self.rows - part.shape[0], part.shape[1])])
+                parts.append(self._product(part, bias))
+            result = torch.cat(parts)[:total]
+        return result.reshape(*x.shape[:-1], result.shape[-1])
+
+    def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, bias, self.rows)
+
+
 class _Update(NamedTuple):
     """What a copy holds besides its weight: `scale·B·A` added to it, or (lora_b None) A stacked under it."""
 
@@ -136,7 +182,7 @@ class _Update(NamedTuple):
 @dataclass
 class _Held:
     owner: weakref.ref  # the tensor the weight is (a view of); the copy goes with it
-    copy: torch.Tensor
+    copy: torch.Tensor | MklPack
     nbytes: int
     version: tuple[int, ...] | None  # the versions of the factors the copy was made from
     factor: weakref.ref | None  # the update's A; the copy also goes with it (its adapter was dropped)
@@ -153,8 +199,14 @@ def prepack_setting() -> str:
     return value
 
 
+def mkl_packs() -> bool:
+    """Whether fp32 copies are MKL packs (see the module docstring): on Intel CPUs, unless `BIOS_GEMM=onednn`."""
+    return (cpu_vendor.intel_cpu() and torch.backends.mkl.is_available()
+            and os.environ.get("BIOS_GEMM", "").strip().lower() != "onednn")
+
+
 def prepacked(x: torch.Tensor, weight: torch.Tensor, *, lora_a: torch.Tensor | None = None,
-              lora_b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor | None:
+              lora_b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor | MklPack | None:
     """The prepacked copy of `weight` to multiply `x` by inside a `PrepackedWeights.using()` block, made now if
     need be; None outside one, off the CPU, for other dtypes, or once the block's room is used up. Given LoRA
     factors (A [r, in], B [out, r]) the copy of `weight + scale·B·A`, fp32 only; given A alone the copy of

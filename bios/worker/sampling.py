@@ -229,7 +229,7 @@ def _generate(
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
-    with prepacked.using(adapter=_adapter_copies(rows)):
+    with prepacked.using(adapter=_adapter_copies(rows), rows=len(rows.adapters)):
         tokens, logprobs, finished_at, stopped = _decode(
             model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
         )
