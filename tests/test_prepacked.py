@@ -76,13 +76,16 @@ def test_on_intel_cpus_fp32_copies_are_mkl_packs_for_the_blocks_rows(monkeypatch
     assert rows3d.shape == (16, 1, 200) and torch.equal(rows3d[:, 0], results[16])
     with torch.inference_mode(), keeper.using(rows=9):  # a smaller batch: padded up to the copy's 16 rows
         assert prepacked(x[:9], weight) is copy
+    with torch.inference_mode(), keeper.using(rows=2):  # one or two rows: the plain weight's product, no copy
+        assert prepacked(x[:2], weight) is None
+        torch.testing.assert_close(frozen_linear(x[:2], weight, bias), F.linear(x[:2], weight, bias))
     with torch.inference_mode(), keeper.using(rows=20):  # a larger one: packed anew for the next multiple of 16
         again = prepacked(x[:20], weight)
     assert isinstance(again, MklPack) and again.rows == 32 and keeper.held_bytes() == weight.numel() * 4
     lora_a, lora_b = _factors(weight)
-    with torch.inference_mode(), keeper.using(adapter=True, rows=5):
+    with torch.inference_mode(), keeper.using(adapter=True, rows=5):  # 5 rows: packs for 8
         merged = merged_linear(x[:5], weight, bias, lora_a, lora_b, 0.5)
-        assert prepacked(x[:5], weight, lora_a=lora_a, lora_b=lora_b, scale=0.5).rows == 16
+        assert prepacked(x[:5], weight, lora_a=lora_a, lora_b=lora_b, scale=0.5).rows == 8
     torch.testing.assert_close(merged, F.linear(x[:5], weight, bias) + 0.5 * (x[:5] @ lora_a.T) @ lora_b.T,
                                rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("BIOS_GEMM", "onednn")  # oneDNN's copies on request

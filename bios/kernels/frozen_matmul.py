@@ -8,12 +8,14 @@ SmolLM2's 49152 x 576 head: 103 vs 44 GFLOP/s); bf16 runs oneDNN either way. Wit
 (`ONEDNN_MAX_CPU_ISA=AVX2`, as on an AVX2-only CPU) the decode step's wide products still gained (1.1-1.7x) but
 a training step lost (0.93x). MKL picks its kernels by the CPU's vendor, though: on an Intel Xeon (AMX, AVX-512,
 2 threads) its sgemm beat oneDNN's on every training shape (0.81-0.95x for oneDNN, the head's logits into the
-loss's buffer 0.94x; with both held to AVX2 0.77-1.00x), and a whole fp32 step ran 1.60 s on MKL against 1.69 s.
-So fp32 CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for
-CPU linear layers): a decode step's few rows through a large weight everywhere; a training pass's products
-where oneDNN runs AVX-512 and a head's logits into the loss's buffer, both on CPUs other than Intel's; everything
-else (MKL's lower call cost wins on small products; Intel CPUs' training passes; GPUs, bf16, a build without
-oneDNN) through `torch.nn.functional.linear` and `torch.mm` as before.
+loss's buffer 0.94x; with both held to AVX2 0.77-1.00x; a whole fp32 step 1.56 s on MKL against 1.67 s) and on
+a decode step's one row (1 x 576 -> 1536: 45 vs 27 GFLOP/s; the head alike). So on CPUs other than Intel's, fp32
+CPU tensors go through oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`, the op Inductor uses for CPU
+linear layers) for a decode step's few rows through a large weight, a training pass's products where oneDNN
+runs AVX-512, and a head's logits into the loss's buffer; everything else (MKL's lower call cost wins on small
+products; every product on Intel's CPUs; GPUs, bf16, a build without oneDNN) through
+`torch.nn.functional.linear` and `torch.mm` as before. (Decode steps on CPU mostly multiply by prepacked copies
+instead: `bios.kernels.prepacked`.)
 Results agree to fp32 rounding (another summation order).
 
 `BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
@@ -53,6 +55,8 @@ def gemm_library(weight: torch.Tensor) -> str:
     if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
         head = " and a head's logits" if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, 0, True) else ""
         return f"MKL, and oneDNN for a decode step's wide products{head} (BIOS_GEMM=onednn: oneDNN for all)"
+    if weight.dtype == torch.float32 and gemm_backend() == "auto" and cpu_vendor.intel_cpu():
+        return "MKL, on an Intel CPU (BIOS_GEMM=onednn: oneDNN for all)"
     return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
 
 
@@ -79,9 +83,11 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
         return False
     if setting == "onednn":
         return True
+    if cpu_vendor.intel_cpu():
+        return False
     if rows <= _DECODE_ROWS:
         return weight_elements >= _ONEDNN_MIN_WEIGHT
-    return (_avx512() or wide_into_buffer) and not cpu_vendor.intel_cpu()
+    return _avx512() or wide_into_buffer
 
 
 def _avx512() -> bool:

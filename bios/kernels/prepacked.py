@@ -25,10 +25,12 @@ gives `x Wᵀ` and `x Aᵀ`, and only the `Bᵀ` product stays a call of its own
 step, the same tokens).
 
 On Intel CPUs an fp32 copy is MKL's packed sgemm weight instead (`MklPack`): a decode step's weight products
-there took 36.8 / 50.0 / 68.8 ms for 16 / 32 / 64 rows against oneDNN's copies' 43.1 / 57.9 / 91.8 (SmolLM2,
-Intel Xeon, 2 threads). MKL packs a weight for one row count, so the sampler opens a block with its batch's rows
-(`using(rows=)`), rounded up to a multiple of 16 (`_MKL_ROWS_STEP`): fewer rows (a smaller batch, or finished rows
-dropped) are padded up to it, and only a block that needs another multiple remakes the copies (SmolLM2: ~0.7 s).
+there took 28.0 / 32.6 / 39.0 / 50.0 / 68.8 ms for 4 / 8 / 16 / 32 / 64 rows against oneDNN's copies' 31.6 /
+36.7 / 45.8 / 57.9 / 91.8 (SmolLM2, Intel Xeon, 2 threads). MKL packs a weight for one row count, so the sampler
+opens a block with its batch's rows (`using(rows=)`), rounded up to 4, 8, 16 or a multiple of 16
+(`_mkl_pack_rows`): fewer rows (a smaller batch, or finished rows dropped) are padded up to it, and only a block
+that needs another size remakes the copies (SmolLM2: ~0.7 s). One or two rows take no copy: MKL's own product of
+the plain weight ran them fastest (20.9 / 22.3 ms; packed 22.9 / 23.8, oneDNN's copies 29.6 / 31.3).
 `BIOS_GEMM=onednn` keeps oneDNN's copies there too.
 """
 
@@ -51,9 +53,8 @@ from bios.kernels import cpu_vendor
 # The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
 _ROWS_HINT = 16
-# MKL packs are made for the block's rows rounded up to a multiple of this: a padded row costs little in a
-# decode step's few rows (16 rows ran 36.8 ms, 32 rows 50.0 ms), a remade copy costs ~10 steps.
-_MKL_ROWS_STEP = 16
+# Below this many rows a block makes no MKL packs (the plain weight's product is faster: module docstring).
+_MKL_MIN_ROWS = 3
 
 
 class PrepackedWeights:
@@ -69,7 +70,7 @@ class PrepackedWeights:
         self._room = 0  # bytes more copies may take in the current `using()` block
         self._adapter_copies = False  # whether the current block makes and uses copies with an adapter in them
         self._adapter_keys_used: set[tuple] = set()  # the keys of such copies the current block used
-        self._rows = _MKL_ROWS_STEP  # the rows MKL packs are made for in the current block
+        self._mkl_rows: int | None = _ROWS_HINT  # the rows MKL packs are made for in the current block, if any
 
     @contextmanager
     def using(self, *, adapter: bool = False, rows: int = _ROWS_HINT) -> Iterator[None]:
@@ -84,7 +85,7 @@ class PrepackedWeights:
         else:
             self._room = psutil.virtual_memory().available // 2
             self._adapter_copies, self._adapter_keys_used = adapter, set()
-            self._rows = -(-rows // _MKL_ROWS_STEP) * _MKL_ROWS_STEP
+            self._mkl_rows = _mkl_pack_rows(rows)
             token = _ACTIVE.set(self)
         try:
             yield
@@ -116,8 +117,10 @@ class PrepackedWeights:
         held = self._copies.get(key)
         mkl = weight.dtype == torch.float32 and mkl_packs()
         if (held is not None and held.owner() is owner and held.version == version
-                and isinstance(held.copy, MklPack) == mkl and (not mkl or held.copy.rows == self._rows)):
+                and isinstance(held.copy, MklPack) == mkl and (not mkl or held.copy.rows == self._mkl_rows)):
             return held.copy
+        if mkl and self._mkl_rows is None:
+            return None
         stacked_rows = update.lora_a.shape[0] if update is not None and update.lora_b is None else 0
         nbytes = (weight.shape[0] + stacked_rows) * weight.shape[1] * weight.element_size()
         if held is not None:
@@ -126,7 +129,8 @@ class PrepackedWeights:
         if nbytes > self._room:
             return None
         plain = _plain(weight.detach(), update).contiguous()
-        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._rows), weight.detach(), self._rows)
+        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._mkl_rows), weight.detach(),
+                        self._mkl_rows)
                 if mkl else torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT))
         drop = lambda _, key=key: self._copies.pop(key, None)  # noqa: E731
         self._copies[key] = _Held(weakref.ref(owner, drop), copy, nbytes, version,
@@ -142,6 +146,14 @@ def _plain(weight: torch.Tensor, update: _Update | None) -> torch.Tensor:
     if update.lora_b is None:
         return torch.cat([weight, update.lora_a.detach()])
     return torch.addmm(weight, update.lora_b.detach(), update.lora_a.detach(), alpha=update.scale)
+
+
+def _mkl_pack_rows(rows: int) -> int | None:
+    """The rows MKL packs are made for in a block of `rows` rows: 4, 8, 16 or a multiple of 16 (a padded row costs
+    little among a decode step's few, a remade copy ~10 steps); None (no packs) below `_MKL_MIN_ROWS`."""
+    if rows < _MKL_MIN_ROWS:
+        return None
+    return 1 << max(2, (rows - 1).bit_length()) if rows <= 16 else -(-rows // 16) * 16
 
 
 class MklPack(NamedTuple):
