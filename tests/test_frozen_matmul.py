@@ -12,8 +12,8 @@ import torch
 from test_kernel_integration import random_batch, smollm2_shaped
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bios.kernels import cpu_vendor
-from bios.kernels.cpu_vendor import intel_cpu
+from bios.kernels import gemm_choice
+from bios.kernels.gemm_choice import intel_cpu
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear, gemm_backend, gemm_library
 from bios.types import LoraConfig
 from bios.worker.adapter import AdapterState
@@ -69,7 +69,7 @@ def _uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def test_auto_takes_onednn_where_it_measured_faster_and_bad_settings_are_refused(intel, monkeypatch):
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: intel)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: intel)
     assert gemm_backend() == "auto"
     onednn = torch.backends.mkldnn.is_available()
     generator = torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def test_a_wide_product_into_a_buffer_goes_to_onednn_block_by_block(isa, monkeyp
     features (the last one partial), each copied into the caller's buffer; the same numbers as one product."""
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: False)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: False)
     generator = torch.Generator().manual_seed(0)
     x, bias = torch.randn(100, 32, generator=generator), torch.randn(4 * 4096 + 5, generator=generator)
     head = torch.randn(4 * 4096 + 5, 32, generator=generator)
@@ -122,7 +122,7 @@ def test_a_wide_product_into_a_buffer_goes_to_onednn_block_by_block(isa, monkeyp
 def test_on_an_intel_cpu_a_wide_product_into_a_buffer_stays_on_mkl(monkeypatch):
     """There MKL's sgemm into the buffer measured faster than oneDNN's blocks (module docstring)."""
     monkeypatch.delenv("BIOS_GEMM", raising=False)
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: True)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: True)
     generator = torch.Generator().manual_seed(0)
     x, head = torch.randn(100, 32, generator=generator), torch.randn(4 * 4096 + 5, 32, generator=generator)
     buffer = torch.full((100, head.shape[0]), float("nan"))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import bios.kernels.prepacked as prepacked_module
 from bios import messages as m
 from bios import types
-from bios.kernels import cpu_vendor
+from bios.kernels import gemm_choice
 from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear, stacked_linear
 from bios.kernels.prepacked import MklPack, PrepackedWeights, prepacked
 
@@ -36,7 +36,7 @@ def _inputs(dtype=torch.float32, rows=16):
 def _defaults(monkeypatch):
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
     monkeypatch.delenv("BIOS_GEMM", raising=False)
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: False)  # oneDNN's copies (MKL's: the tests that say so)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: False)  # oneDNN's copies (MKL's: the tests that say so)
 
 
 def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_numbers():
@@ -62,7 +62,7 @@ def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_number
 
 
 def test_on_intel_cpus_fp32_copies_are_mkl_packs_for_the_blocks_rows(monkeypatch):
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: True)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: True)
     x, weight, bias = _inputs(rows=37)
     keeper = PrepackedWeights()
     with torch.inference_mode(), keeper.using(rows=16):

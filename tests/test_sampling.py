@@ -332,10 +332,10 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     """fp32 decode steps whose rows all use one adapter, for enough steps to repay the copies, multiply by
     prepacked copies of W + scale·B·A (oneDNN's, or MKL's packs on Intel CPUs): the same tokens and logprobs (to
     fp32 rounding) as the plain path."""
-    from bios.kernels import cpu_vendor
+    from bios.kernels import gemm_choice
     from bios.kernels.prepacked import MklPack, PrepackedWeights, prepacked
 
-    monkeypatch.setattr(cpu_vendor, "intel_cpu", lambda: intel)
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: intel)
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.setenv("BIOS_KERNELS", "1")  # the stock ops (`BIOS_KERNELS=0`) multiply by the plain weights

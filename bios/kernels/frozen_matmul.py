@@ -18,9 +18,8 @@ products; every product on Intel's CPUs; GPUs, bf16, a build without oneDNN) thr
 instead: `bios.kernels.prepacked`.)
 Results agree to fp32 rounding (another summation order).
 
-`BIOS_GEMM` (read per call, like `BIOS_KERNELS`, so one process can time both) is `auto` (unset: the rule above),
-`onednn` (every fp32 CPU product, for a machine where `bench/gemm.py`, which compares them shape by shape, says
-so) or `aten` (PyTorch's own choice everywhere). These are plain functions without autograd: their callers are
+`BIOS_GEMM` (`bios.kernels.gemm_choice`) is `auto` (unset: the rule above), `onednn` (every fp32 CPU product) or
+`aten` (PyTorch's own choice everywhere). These are plain functions without autograd: their callers are
 `torch.autograd.Function` forwards and backwards, and no-grad code.
 """
 
@@ -31,19 +30,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bios.kernels import cpu_vendor
+from bios.kernels import gemm_choice
+from bios.kernels.gemm_choice import gemm_backend
 from bios.kernels.prepacked import MklPack, merges, prepacked
-
-_SETTINGS = ("auto", "onednn", "aten")
-
-
-def gemm_backend() -> str:
-    """`BIOS_GEMM` (unset: "auto"): which library fp32 CPU matmuls against frozen weights use."""
-    value = os.environ.get("BIOS_GEMM", "").strip().lower() or "auto"
-    if value not in _SETTINGS:
-        raise ValueError(f"BIOS_GEMM must be one of {list(_SETTINGS)} (unset: auto), got {value!r}")
-    return value
-
 
 def gemm_library(weight: torch.Tensor) -> str:
     """Which library multiplies by `weight` (a frozen base weight), for the worker's log: `_onednn`'s rule asked
@@ -55,7 +44,7 @@ def gemm_library(weight: torch.Tensor) -> str:
     if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
         head = " and a head's logits" if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, 0, True) else ""
         return f"MKL, and oneDNN for a decode step's wide products{head} (BIOS_GEMM=onednn: oneDNN for all)"
-    if weight.dtype == torch.float32 and gemm_backend() == "auto" and cpu_vendor.intel_cpu():
+    if weight.dtype == torch.float32 and gemm_backend() == "auto" and gemm_choice.intel_cpu():
         return "MKL, on an Intel CPU (BIOS_GEMM=onednn: oneDNN for all)"
     return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
 
@@ -83,7 +72,7 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
         return False
     if setting == "onednn":
         return True
-    if cpu_vendor.intel_cpu():
+    if gemm_choice.intel_cpu():
         return False
     if rows <= _DECODE_ROWS:
         return weight_elements >= _ONEDNN_MIN_WEIGHT

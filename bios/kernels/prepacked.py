@@ -48,7 +48,7 @@ from typing import NamedTuple
 import psutil
 import torch
 
-from bios.kernels import cpu_vendor
+from bios.kernels import gemm_choice
 
 # The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
@@ -213,8 +213,7 @@ def prepack_setting() -> str:
 
 def mkl_packs() -> bool:
     """Whether fp32 copies are MKL packs (see the module docstring): on Intel CPUs, unless `BIOS_GEMM=onednn`."""
-    return (cpu_vendor.intel_cpu() and torch.backends.mkl.is_available()
-            and os.environ.get("BIOS_GEMM", "").strip().lower() != "onednn")
+    return gemm_choice.intel_cpu() and torch.backends.mkl.is_available() and gemm_choice.gemm_backend() != "onednn"
 
 
 def prepacked(x: torch.Tensor, weight: torch.Tensor, *, lora_a: torch.Tensor | None = None,

@@ -29,8 +29,8 @@ class _RoomyLayer(DynamicLayer):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         filled, added = self.keys.shape[-2], key_states.shape[-2]
         if filled + added > self._key_buffer.shape[-2] or not self._in_buffer():
-            self._reserve(max(added, filled), self._key_buffer.dtype)  # past the reserve, or keys replaced by
-            # DynamicLayer's own methods
+            # past the reserve, or keys replaced by DynamicLayer's own methods
+            self._reserve(max(added, filled), self._key_buffer.dtype)
         self._key_buffer[:, :, filled : filled + added].copy_(key_states)
         self._value_buffer[:, :, filled : filled + added].copy_(value_states)
         self.keys = self._key_buffer[:, :, : filled + added]
