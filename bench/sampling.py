@@ -134,9 +134,8 @@ async def one_prompt_many_samples(model_name: str, prompt: list[int], samples: i
 def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: int = 5) -> float:
     """Seconds of one decode step's weight matmuls alone (fastest of `rounds`, through the fastest of PyTorch's
     own matmul, oneDNN's with prepacked weights and, on Intel CPUs, MKL's packed ones: `bios.kernels.frozen_matmul`,
-    `bios.kernels.prepacked`): the
-    floor of any sampler that reads these weights in this dtype for `rows` sequences per step with these
-    libraries."""
+    `bios.kernels.prepacked`): the floor of any sampler that reads these weights in this dtype for `rows`
+    sequences per step with these libraries."""
     model = load_base_model(model_name, dtype=dtype).model
     weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights}

@@ -42,8 +42,8 @@ def gemm_library(weight: torch.Tensor) -> str:
     if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, weight.numel()):
         return f"oneDNN (BIOS_GEMM={gemm_backend()}; aten keeps PyTorch's MKL)"
     if _onednn(weight.device, weight.dtype, 1, _ONEDNN_MIN_WEIGHT):
-        head = " and a head's logits" if _onednn(weight.device, weight.dtype, _DECODE_ROWS + 1, 0, True) else ""
-        return f"MKL, and oneDNN for a decode step's wide products{head} (BIOS_GEMM=onednn: oneDNN for all)"
+        return ("MKL, and oneDNN for a decode step's wide products and a head's logits "
+                "(BIOS_GEMM=onednn: oneDNN for all)")
     if weight.dtype == torch.float32 and gemm_backend() == "auto" and gemm_choice.intel_cpu():
         return "MKL, on an Intel CPU (BIOS_GEMM=onednn: oneDNN for all)"
     return "PyTorch's CPU matmul (oneDNN for bf16, MKL for fp32)"
