@@ -166,6 +166,56 @@ def test_training_steps_on_cuda_equal_cpu_in_fp32_and_track_them_in_bf16(monkeyp
     assert relative_error(bf16_params, cpu_params) <= 5e-2
 
 
+def _sample_both_ways(model, items) -> tuple[list, list, object]:
+    """(responses through the lean decode step, through the model's modules, the lean step that ran)."""
+    from bios.worker import sampling
+    from bios.worker.sampling import generate
+
+    made = []
+    real = sampling.LlamaDecodeStep.for_model
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+        lean = generate(model, None, items(), eos_token_id=None)
+        patch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *a, **k: None)
+        modules = generate(model, None, items(), eos_token_id=None)
+    return lean, modules, made[-1]
+
+
+@pytest.mark.parametrize("base", ["float32", "bfloat16"])
+def test_sampling_on_cuda_through_the_lean_decode_step_agrees_with_the_modules(base, monkeypatch):
+    """`bios.worker.llama_decode` on the GPU, with each row's own cache and with one shared prompt attended to once
+    (cascade): fp32 samples the module path's tokens with its log-probs to 1e-4; bf16 agrees until the first token
+    where rounding makes the two differ (log-probs to 0.1 up to there)."""
+    from bios.types import SamplingParams
+    from bios.worker.decode_cache import RowCache, SharedPromptCache
+    from bios.worker.sampling import SampleItem
+
+    monkeypatch.setenv("BIOS_BASE_DTYPE", base)
+    model = random_llama(300).to(CUDA)
+    attach_lora(model)
+    adapter = AdapterState.create("rl", model, LoraConfig(rank=4, seed=5), device=CUDA)
+    generator = torch.Generator().manual_seed(6)
+    adapter.load_state_dict({k: v + 0.2 * torch.randn(v.shape, generator=generator).to(v.device)
+                             for k, v in adapter.state_dict().items()})
+    shared = [9, 80, 7, 33, 120, 5, 61, 2, 44, 17]
+    layouts = {
+        SharedPromptCache: lambda: [SampleItem(adapter, shared, 6, SamplingParams(max_tokens=20, seed=1))],
+        RowCache: lambda: [SampleItem(adapter, [3, 1, 4], 3, SamplingParams(max_tokens=20, seed=2)),
+                           SampleItem(None, [2, 7, 1, 8, 2, 8], 2, SamplingParams(max_tokens=9, seed=3))],
+    }
+    for layout, items in layouts.items():
+        lean, modules, step = _sample_both_ways(model, items)
+        assert step is not None and all(type(cache) is layout for cache in step._caches)
+        for ours, theirs in zip(lean, modules):
+            for a, b in zip(ours.sequences, theirs.sequences):
+                if base == "float32":
+                    assert a.tokens == b.tokens
+                    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+                    continue
+                same = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens))
+                assert same >= 1 and a.logprobs[:same] == pytest.approx(b.logprobs[:same], abs=0.1)
+
+
 def _all_reduce_on(rank: int, port, sums) -> None:
     from bios.worker.collectives import CollectiveGroup
 

@@ -38,6 +38,22 @@ def test_a_cache_with_room_returns_what_the_growing_cache_returns():
     assert roomy.get_seq_length() == plain.get_seq_length() == 13
 
 
+def test_steps_within_the_reserve_write_into_the_reserved_buffers():
+    """No step inside the reserve copies the cache again (the first step once did: the layer's keys were still
+    the prefill's tensors, so it reserved anew, and again when that room ran out)."""
+    generator = torch.Generator().manual_seed(3)
+    cache = DynamicCache()
+    cache.update(*_states(generator, 4, 6), 0)
+    reserve_decode_room(cache, 5, torch.float64)
+    layer = cache.layers[0]
+    buffers = layer.keys.data_ptr(), layer.values.data_ptr()
+    assert layer.keys.dtype == torch.float64 and layer.keys.shape[-2] == 6
+    for _ in range(5):
+        keys, values = cache.update(*_states(generator, 4, 1), 0)
+        assert (keys.data_ptr(), values.data_ptr()) == buffers
+    assert keys.shape[-2] == 11
+
+
 def test_layers_of_other_kinds_and_empty_layers_keep_their_own_code():
     cache = DynamicCache()
     keys, values = _states(torch.Generator().manual_seed(1), 2, 3)

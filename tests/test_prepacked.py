@@ -290,3 +290,67 @@ def test_bf16_rows_of_one_adapter_get_both_products_from_one_stacked_copy():
     with torch.inference_mode(), keeper.using(adapter=True):  # a LoRA layer's decode step takes this path
         assert torch.equal(lora_forward(x[:, None], weight, None, [LoraSegment(0, 16, lora_a, lora_b, 0.5)])[:, 0],
                            result)
+
+
+def _stack_inputs(dtype, rows=16):
+    """Three weights (and biases) that multiply one input, as q, k and v do."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    weights = [torch.randn(out, 96, generator=generator).to(dtype) for out in (64, 32, 32)]
+    biases = [torch.randn(w.shape[0], generator=generator).to(dtype) for w in weights]
+    return x, weights, biases
+
+
+@pytest.mark.parametrize("intel", [False, True])
+def test_weights_that_share_an_input_multiply_by_one_stacked_copy_with_each_ones_numbers(intel, monkeypatch):
+    """q, k and v (gate and up) of a decode step: one product by one copy of the stacked weights gives every
+    output side by side, bit for bit what each weight's own copy gives, with each weight's merged update or none."""
+    from bios.kernels.frozen_matmul import frozen_product, merged_product, stacked_weights_product
+    from bios.kernels.prepacked import LoraUpdate
+
+    monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: intel)
+    x, weights, biases = _stack_inputs(torch.float32)
+    lora_a, lora_b = _factors(weights[0])
+    updates = [LoraUpdate(lora_a, lora_b, 0.5), None, LoraUpdate(*_factors(weights[2], rank=2), 2.0)]
+    keeper = PrepackedWeights()
+    with torch.inference_mode(), keeper.using(adapter=True, rows=16):
+        stacked = stacked_weights_product(x, weights, biases, updates)(x)
+        alone = [frozen_product(x, w, b)(x) if u is None else merged_product(x, w, b, *u)(x)
+                 for w, b, u in zip(weights, biases, updates)]
+        held = keeper.held_bytes()
+        base = stacked_weights_product(x, weights, [None] * 3, [None] * 3)(x)
+        copy = prepacked_module.prepacked_stack(x, weights, [None] * 3)
+    assert copy is not None and isinstance(copy, MklPack) == intel
+    assert torch.equal(stacked, torch.cat(alone, dim=-1))
+    assert held == 2 * 128 * 96 * 4  # the stacked copy as big as the three own ones together
+    torch.testing.assert_close(base, torch.cat([F.linear(x, w) for w in weights], dim=-1), rtol=1e-5, atol=1e-4)
+    with torch.inference_mode(), keeper.using(rows=16):  # a block not opened for adapters: no adapter copies
+        assert stacked_weights_product(x, weights, biases, updates) is None
+    monkeypatch.setenv("BIOS_GEMM", "aten")
+    with torch.inference_mode(), keeper.using(adapter=True, rows=16):
+        assert stacked_weights_product(x, weights, biases, updates) is None
+
+
+def test_bf16_weights_that_share_an_input_stack_their_a_factors_after_them():
+    from bios.kernels.frozen_matmul import stacked_product, stacked_weights_product
+    from bios.kernels.prepacked import LoraUpdate
+
+    x, weights, _ = _stack_inputs(torch.bfloat16)
+    factors = [_factors(weights[0]), None, _factors(weights[2], rank=2)]
+    updates = [None if f is None else LoraUpdate(*f, 0.5) for f in factors]
+    keeper = PrepackedWeights()
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2-only: oneDNN makes no bf16 copies
+        with torch.inference_mode(), keeper.using(adapter=True):
+            assert stacked_weights_product(x, weights, [None] * 3, updates) is None
+        return
+    with torch.inference_mode(), keeper.using(adapter=True):
+        stacked = stacked_weights_product(x, weights, [None] * 3, updates)(x)
+        alone = stacked_product(x, weights[0], None, *updates[0])(x)
+        with_bias = stacked_weights_product(x, weights, [weights[0][0], None, None], updates)
+    assert with_bias is None  # a bias would round once more (as for one weight)
+    assert keeper.held_bytes() == (128 + 4 + 2) * 96 * 2 + (64 + 4) * 96 * 2
+    expected = torch.cat([F.linear(x.float(), w.float()) + (0 if u is None else
+                          0.5 * (x.float() @ u.lora_a.float().T) @ u.lora_b.float().T)
+                          for w, u in zip(weights, updates)], dim=-1)
+    torch.testing.assert_close(stacked.float(), expected, rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(stacked[:, :64], alone, rtol=2e-2, atol=0.25)

@@ -26,13 +26,15 @@ Results agree to fp32 rounding (another summation order).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from bios.kernels import gemm_choice
 from bios.kernels.gemm_choice import gemm_backend
-from bios.kernels.prepacked import MklPack, merges, prepacked
+from bios.kernels.prepacked import LoraUpdate, MklPack, merges, prepacked, prepacked_stack
 
 def gemm_library(weight: torch.Tensor) -> str:
     """Which library multiplies by `weight` (a frozen base weight), for the worker's log: `_onednn`'s rule asked
@@ -132,26 +134,44 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.addmm(bias, x, weight.T, out=out) if bias is not None else torch.mm(x, weight.T, out=out)
 
 
-def adapter_copy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                        lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """`x Wᵀ + b + scale·(x Aᵀ) Bᵀ` for x [rows, in] through a prepacked copy with the adapter in it, inside a
-    `PrepackedWeights.using(adapter=True)` block: `merged_linear` where the weight's dtype keeps a merged update
-    (`prepacked.merges`), else `stacked_linear`; None where there is no such copy."""
-    linear = merged_linear if merges(weight.dtype) else stacked_linear
-    return linear(x, weight, bias, lora_a, lora_b, scale)
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
-def merged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                  lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
+def frozen_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Product:
+    """`frozen_linear(·, weight, bias)` for inputs like `x` as a function of the input, the prepacked copy looked up
+    now rather than at every call: a decode step resolves each projection once (the lookup and the settings it
+    reads cost more than a small product's own call)."""
+    copy = _prepacked_copy(x, weight)
+    return partial(frozen_linear, weight=weight, bias=bias) if copy is None else _copy_product(copy, bias)
+
+
+def _copy_product(copy: torch.Tensor | MklPack, bias: torch.Tensor | None) -> Product:
+    if isinstance(copy, MklPack):
+        return partial(copy.linear, bias=bias)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+
+
+def adapter_copy_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                         lora_b: torch.Tensor, scale: float) -> Product | None:
+    """`x Wᵀ + b + scale·(x Aᵀ) Bᵀ` for inputs like x [rows, in] through a prepacked copy with the adapter in it,
+    inside a `PrepackedWeights.using(adapter=True)` block, as a function of the input: `merged_product` where the
+    weight's dtype keeps a merged update (`prepacked.merges`), else `stacked_product`; None where there is no such
+    copy."""
+    product = merged_product if merges(weight.dtype) else stacked_product
+    return product(x, weight, bias, lora_a, lora_b, scale)
+
+
+def merged_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, scale: float) -> Product | None:
     """`x (W + scale·B·A)ᵀ + b` through a prepacked copy of the merged weight inside a `PrepackedWeights.using()`
     block (a decode step whose rows all use one adapter); None where there is no such copy (outside a block,
     not fp32, `BIOS_GEMM=aten`, no room): the caller then adds the low-rank product itself."""
     copy = _prepacked_copy(x, weight, lora_a=lora_a, lora_b=lora_b, scale=scale)
-    return None if copy is None else prepacked_linear(x, copy, bias)
+    return None if copy is None else _copy_product(copy, bias)
 
 
-def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                   lora_b: torch.Tensor, scale: float) -> torch.Tensor | None:
+def stacked_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                    lora_b: torch.Tensor, scale: float) -> Product | None:
     """`x Wᵀ + b + scale·(x Aᵀ) Bᵀ` for x [rows, in] with `x Wᵀ` and `x Aᵀ` from one product by a prepacked copy of
     `[W; A]` inside a `PrepackedWeights.using()` block (a decode step whose rows all use one adapter); None where
     there is no such copy, and for a layer with a bias (added apart it would round a bf16 output once more): the
@@ -159,9 +179,65 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     copy = None if bias is not None else _prepacked_copy(x, weight, lora_a=lora_a)
     if copy is None:
         return None
-    both = prepacked_linear(x, copy)
-    out_features = weight.shape[0]
-    return torch.addmm(both[:, :out_features], both[:, out_features:], lora_b.T, alpha=scale)
+    both_product, out_features = _copy_product(copy, None), weight.shape[0]
+
+    def stacked(x: torch.Tensor) -> torch.Tensor:
+        both = both_product(x)
+        return torch.addmm(both[:, :out_features], both[:, out_features:], lora_b.T, alpha=scale)
+
+    return stacked
+
+
+def stacked_weights_product(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                            updates: list[LoraUpdate | None]) -> Product | None:
+    """The outputs of several frozen weights that multiply the same x [rows, in] (q, k and v; gate and up), side by
+    side [rows, sum of outs], from one product by their stacked prepacked copy (`prepacked_stack`) inside a
+    `PrepackedWeights.using()` block, each with its LoRA update (or none): merged into the copy where the dtype
+    keeps a merged update (`merges`), else A stacked in it and `scale·(x Aᵀ) Bᵀ` added to its part. None where
+    there is no such copy (the caller multiplies each weight on its own), and for stacked A factors with a bias
+    (`stacked_product`)."""
+    merge = merges(weights[0].dtype)
+    stacked = [] if merge else [update for update in updates if update is not None]
+    if gemm_backend() == "aten" or (stacked and any(bias is not None for bias in biases)):
+        return None
+    in_copy = updates if merge else [None if u is None else LoraUpdate(u.lora_a, None, u.scale) for u in updates]
+    copy = prepacked_stack(x, weights, in_copy)
+    if copy is None:
+        return None
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+    product = _copy_product(copy, bias)
+    if not stacked:
+        return product
+    outs = [weight.shape[0] for weight in weights]
+    total = sum(outs)
+
+    def with_low_rank(x: torch.Tensor) -> torch.Tensor:
+        both = product(x)
+        result, low_rank = both[:, :total], total
+        start = 0
+        for out, update in zip(outs, updates):
+            if update is not None:
+                rank = update.lora_a.shape[0]
+                result[:, start : start + out].addmm_(both[:, low_rank : low_rank + rank], update.lora_b.T,
+                                                      alpha=update.scale)
+                low_rank += rank
+            start += out
+        return result
+
+    return with_low_rank
+
+
+def merged_linear(x: torch.Tensor, *args) -> torch.Tensor | None:
+    """`merged_product(x, *args)` applied to x (None where there is no copy)."""
+    product = merged_product(x, *args)
+    return None if product is None else product(x)
+
+
+def stacked_linear(x: torch.Tensor, *args) -> torch.Tensor | None:
+    """`stacked_product(x, *args)` applied to x (None where there is no copy)."""
+    product = stacked_product(x, *args)
+    return None if product is None else product(x)
 
 
 def _prepacked_copy(x: torch.Tensor, weight: torch.Tensor, **lora) -> torch.Tensor | None:

@@ -102,50 +102,56 @@ class PrepackedWeights:
     def held_bytes(self) -> int:
         return sum(held.nbytes for held in self._copies.values())
 
-    def _copy(self, weight: torch.Tensor, update: _Update | None) -> torch.Tensor | MklPack | None:
-        """The copy of `weight` (with `update` in it, if given), made now if it has none and one fits in this
-        block's room; else None. A copy made from an older version of the update's factors is replaced."""
-        if update is not None and not self._adapter_copies:
+    def _copy(self, weights: tuple[torch.Tensor, ...], updates: tuple[LoraUpdate | None, ...]
+              ) -> torch.Tensor | MklPack | None:
+        """The copy of `weights` stacked by output rows (each with its update in it, if given), made now if it has
+        none and one fits in this block's room; else None. A copy made from older versions of the updates' factors
+        is replaced."""
+        adapted = [update for update in updates if update is not None]
+        if adapted and not self._adapter_copies:
             return None
-        owner = weight if weight._base is None else weight._base
-        factors = () if update is None else tuple(f for f in (update.lora_a, update.lora_b) if f is not None)
-        key = (id(owner), tuple(weight.shape), weight.stride(), weight.storage_offset(),
-               None if update is None else (*map(id, factors), update.scale))
-        version = None if update is None else tuple(0 if f.is_inference() else f._version for f in factors)
-        if update is not None:
+        owners = tuple(weight if weight._base is None else weight._base for weight in weights)
+        key = tuple((id(owner), tuple(weight.shape), weight.stride(), weight.storage_offset(),
+                     None if update is None else (*map(id, update.factors()), update.scale))
+                    for owner, weight, update in zip(owners, weights, updates))
+        version = tuple(0 if f.is_inference() else f._version for update in adapted for f in update.factors()) or None
+        if adapted:
             self._adapter_keys_used.add(key)
         held = self._copies.get(key)
-        mkl = weight.dtype == torch.float32 and mkl_packs()
-        if (held is not None and held.owner() is owner and held.version == version
+        first = weights[0]
+        mkl = first.dtype == torch.float32 and mkl_packs()
+        if (held is not None and held.owner() is owners[0] and held.version == version
                 and isinstance(held.copy, MklPack) == mkl and (not mkl or held.copy.rows == self._mkl_rows)):
             return held.copy
         if mkl and self._mkl_rows is None:
             return None
-        stacked_rows = update.lora_a.shape[0] if update is not None and update.lora_b is None else 0
-        nbytes = (weight.shape[0] + stacked_rows) * weight.shape[1] * weight.element_size()
+        plain_rows = sum(weight.shape[0] for weight in weights)
+        stacked_rows = sum(update.lora_a.shape[0] for update in adapted if update.lora_b is None)
+        nbytes = (plain_rows + stacked_rows) * first.shape[1] * first.element_size()
         if held is not None:
             self._copies.pop(key)
             self._room += held.nbytes
         if nbytes > self._room:
             return None
-        plain = _plain(weight.detach(), update).contiguous()
-        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._mkl_rows), weight.detach(),
-                        self._mkl_rows)
+        plain = _plain(weights, updates).contiguous()
+        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._mkl_rows),
+                        first.new_empty(()).expand(plain_rows, first.shape[1]), self._mkl_rows)
                 if mkl else torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT))
         drop = lambda _, key=key: self._copies.pop(key, None)  # noqa: E731
-        self._copies[key] = _Held(weakref.ref(owner, drop), copy, nbytes, version,
-                                  None if update is None else weakref.ref(update.lora_a, drop))
+        self._copies[key] = _Held(weakref.ref(owners[0], drop), copy, nbytes, version,
+                                  weakref.ref(adapted[0].lora_a, drop) if adapted else None)
         self._room -= nbytes
         return copy
 
 
-def _plain(weight: torch.Tensor, update: _Update | None) -> torch.Tensor:
-    """What a copy lays out: the weight, `W + scale·B·A`, or `[W; A]`."""
-    if update is None:
-        return weight
-    if update.lora_b is None:
-        return torch.cat([weight, update.lora_a.detach()])
-    return torch.addmm(weight, update.lora_b.detach(), update.lora_a.detach(), alpha=update.scale)
+def _plain(weights: tuple[torch.Tensor, ...], updates: tuple[LoraUpdate | None, ...]) -> torch.Tensor:
+    """What a copy lays out: the weights (each `W` or `W + scale·B·A`) stacked by output rows, then the A factors
+    of the updates that stack theirs (`[W; A]`)."""
+    parts = [weight.detach() if update is None or update.lora_b is None
+             else torch.addmm(weight.detach(), update.lora_b.detach(), update.lora_a.detach(), alpha=update.scale)
+             for weight, update in zip(weights, updates)]
+    parts += [update.lora_a.detach() for update in updates if update is not None and update.lora_b is None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _mkl_pack_rows(rows: int) -> int | None:
@@ -157,10 +163,10 @@ def _mkl_pack_rows(rows: int) -> int | None:
 
 
 class MklPack(NamedTuple):
-    """A weight (or `W + scale·B·A`) packed by MKL for products of exactly `rows` rows."""
+    """A weight (or `W + scale·B·A`, or several stacked) packed by MKL for products of exactly `rows` rows."""
 
     packed: torch.Tensor
-    weight: torch.Tensor  # the plain weight: its shape, for the op (never multiplied by: every call has `rows`)
+    weight: torch.Tensor  # the product's [out, in] shape, for the op (expanded from one element: never read)
     rows: int
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,14 +187,6 @@ class MklPack(NamedTuple):
 
     def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, bias, self.rows)
-
-
-class _Update(NamedTuple):
-    """What a copy holds besides its weight: `scale·B·A` added to it, or (lora_b None) A stacked under it."""
-
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor | None
-    scale: float
 
 
 @dataclass
@@ -222,15 +220,34 @@ def prepacked(x: torch.Tensor, weight: torch.Tensor, *, lora_a: torch.Tensor | N
     need be; None outside one, off the CPU, for other dtypes, or once the block's room is used up. Given LoRA
     factors (A [r, in], B [out, r]) the copy of `weight + scale·B·A`, fp32 only; given A alone the copy of
     `[weight; A]` ([out + r, in]), in the weight's dtype (see the module docstring)."""
+    update = None if lora_a is None else LoraUpdate(lora_a, lora_b, float(scale))
+    return prepacked_stack(x, [weight], [update])
+
+
+class LoraUpdate(NamedTuple):
+    """What a copy holds besides its weight: `scale·B·A` added to it, or (lora_b None) A stacked under it."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor | None
+    scale: float
+
+    def factors(self) -> tuple[torch.Tensor, ...]:
+        return (self.lora_a,) if self.lora_b is None else (self.lora_a, self.lora_b)
+
+
+def prepacked_stack(x: torch.Tensor, weights: list[torch.Tensor], updates: list[LoraUpdate | None]
+                    ) -> torch.Tensor | MklPack | None:
+    """`prepacked` for several weights that multiply the same `x` (q, k and v; gate and up), stacked by output
+    rows: one product gives every output side by side, each weight with its own update (or none) in it, and
+    the A factors of stacked updates (`lora_b` None) after all the weights' rows."""
     keeper = _ACTIVE.get()
-    if keeper is None or not _eligible(x, weight):
+    if keeper is None or not all(_eligible(x, weight) for weight in weights):
         return None
-    if lora_a is None:
-        return keeper._copy(weight, None)
-    if lora_a.dtype != weight.dtype or (lora_b is not None and (not merges(weight.dtype)
-                                                                 or lora_b.dtype != weight.dtype)):
+    dtype = weights[0].dtype
+    if any(update is not None and (update.lora_a.dtype != dtype or (update.lora_b is not None and (
+            not merges(dtype) or update.lora_b.dtype != dtype))) for update in updates):
         return None
-    return keeper._copy(weight, _Update(lora_a, lora_b, float(scale)))
+    return keeper._copy(tuple(weights), tuple(updates))
 
 
 def merges(dtype: torch.dtype) -> bool:

@@ -60,6 +60,8 @@ def _fused_class(mixin: type, stock: type) -> type:
 _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _RMS_NORMS = {(f"transformers.models.{m}.modeling_{m}", f"{prefix}RMSNorm") for m, prefix in _FAMILIES.items()}
 _MLPS = {(f"transformers.models.{m}.modeling_{m}", f"{prefix}MLP") for m, prefix in _FAMILIES.items()}
+_DECODER_LAYERS = {(f"transformers.models.{m}.modeling_{m}", f"{p}DecoderLayer") for m, p in _FAMILIES.items()}
+_ATTENTIONS = {(f"transformers.models.{m}.modeling_{m}", f"{prefix}Attention") for m, prefix in _FAMILIES.items()}
 
 
 def _is_silu(activation: nn.Module) -> bool:
@@ -86,3 +88,21 @@ def fuse_llama_modules(model: nn.Module) -> int:
             module.__class__ = _fused_class(_FusedSwiGLUMLP, stock)
             fused += 1
     return fused
+
+
+def is_fused_llama_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is a stock Llama-family decoder layer (its attention too) whose norms and MLP
+    `fuse_llama_modules` switched: what `bios.worker.llama_decode` can compute without its modules."""
+    def stock(module: nn.Module, names: set) -> bool:
+        return (type(module).__module__, type(module).__qualname__) in names
+
+    return (stock(layer, _DECODER_LAYERS) and stock(layer.self_attn, _ATTENTIONS)
+            and isinstance(layer.mlp, _FusedSwiGLUMLP)
+            and all(isinstance(norm, _FusedRMSNorm) for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                                  *_head_norms(layer.self_attn))))
+
+
+def _head_norms(attention: nn.Module) -> list[nn.Module]:
+    """Qwen3's per-head query and key norms (none elsewhere)."""
+    norms = (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
+    return [norm for norm in norms if norm is not None]

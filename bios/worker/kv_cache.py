@@ -23,8 +23,11 @@ class _RoomyLayer(DynamicLayer):
     _value_buffer: Tensor
 
     def _reserve(self, room: int, dtype: torch.dtype | None = None) -> None:
+        filled = self.keys.shape[-2]
         self._key_buffer = _with_room(self.keys, room, dtype)
         self._value_buffer = _with_room(self.values, room, dtype)
+        self.keys = self._key_buffer[:, :, :filled]
+        self.values = self._value_buffer[:, :, :filled]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         filled, added = self.keys.shape[-2], key_states.shape[-2]
@@ -68,3 +71,4 @@ def reserve_decode_room(cache: DynamicCache, steps: int, dtype: torch.dtype | No
             layer._reserve(steps, dtype)
             reserved += 1
     return reserved
+

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -24,7 +25,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from bios.kernels import linear_cross_entropy, linear_weighted_loss, lora_linear_multi
-from bios.kernels.frozen_matmul import adapter_copy_linear, frozen_linear, gemm_library
+from bios.kernels.frozen_matmul import (Product, adapter_copy_product, frozen_product, gemm_library,
+                                        stacked_weights_product)
+from bios.kernels.prepacked import LoraUpdate
 from bios.kernels.grad_wanted import grad_wanted
 from bios.worker.adapter import AdapterState
 from bios.worker.compute_mode import base_dtype, kernels_enabled
@@ -60,37 +63,56 @@ def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
     adapters loop over their row ranges rather than gathering a weight copy per row. With kernels on,
     `lora_linear_multi`'s hand-written backward also skips autograd's output-sized temporaries, and a decode
     step whose rows all use one adapter multiplies by a prepacked copy with the adapter in it
-    (`adapter_copy_linear`: `W + scale·B·A` in fp32, `[W; A]` otherwise).
+    (`adapter_copy_product`: `W + scale·B·A` in fp32, `[W; A]` otherwise).
     """
+    return lora_product(x, weight, bias, segments, rows_per_item)(x)
+
+
+def lora_product(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment],
+                 rows_per_item: int | None = None) -> Product:
+    """How `lora_forward` computes for inputs like `x` under the current settings (`BIOS_KERNELS`, `BIOS_GEMM`),
+    prepacked block and segments, as a function of the input: the one place that routes a LoRA layer's product.
+    The sampler's lean decode step (`bios.worker.llama_decode`) resolves it once per projection and batch."""
     if segments and x.dim() == 2 and rows_per_item is not None and rows_per_item > 1:
         segments = [replace(segment, start=segment.start * rows_per_item, end=segment.end * rows_per_item)
                     for segment in segments]
     if not kernels_enabled() or x.dim() < 2:
-        return _stock_lora_forward(x, weight, bias, segments)
+        return partial(_stock_lora_forward, weight=weight, bias=bias, segments=segments)
     if not segments and not grad_wanted(x, weight, bias):  # sampling the base: no kernel bookkeeping per call
-        return frozen_linear(x, weight, bias)
+        return frozen_product(x, weight, bias)
     if len(segments) == 1 and segments[0].start == 0 and segments[0].end == x.shape[0]:  # one adapter, every row
         whole = segments[0]
         if not grad_wanted(x, weight, bias, whole.lora_a, whole.lora_b):
-            y = _adapter_copy_forward(x, weight, bias, whole)
-            if y is not None:
-                return y
-    return lora_linear_multi(
-        x,
-        weight,
-        bias,
-        [segment.lora_a for segment in segments],
-        [segment.lora_b for segment in segments],
-        [segment.scale for segment in segments],
-        [(segment.start, segment.end) for segment in segments],
-    )
+            product = adapter_copy_product(x.reshape(-1, x.shape[-1]), weight, bias, whole.lora_a, whole.lora_b,
+                                           whole.scale)
+            if product is not None:
+                return product if x.dim() == 2 else partial(_flattened, product=product, out=weight.shape[0])
+    return partial(lora_linear_multi, weight=weight, bias=bias, lora_as=[s.lora_a for s in segments],
+                   lora_bs=[s.lora_b for s in segments], scales=[s.scale for s in segments],
+                   segments=[(s.start, s.end) for s in segments])
 
 
-def _adapter_copy_forward(x: Tensor, weight: Tensor, bias: Tensor | None, whole: LoraSegment) -> Tensor | None:
-    """A decode step whose rows all use one adapter, through a prepacked copy of `W + scale·B·A` (fp32) or of
-    `[W; A]` (`bios.kernels.prepacked`); None outside the sampler's decode block."""
-    y = adapter_copy_linear(x.reshape(-1, x.shape[-1]), weight, bias, whole.lora_a, whole.lora_b, whole.scale)
-    return None if y is None else y.reshape(*x.shape[:-1], weight.shape[0])
+def stacked_lora_product(x: Tensor, layers: list[tuple[Tensor, Tensor | None, list[LoraSegment]]]) -> Product | None:
+    """The LoRA layers (weight, bias, segments) that share the input x [rows, in] (q, k and v; gate and up), their
+    outputs side by side [rows, sum of outs] from one product by a stacked copy (`stacked_weights_product`): where
+    kernels are on, no gradient is wanted and each layer has no segment or one over every row (a decode whose rows
+    all use one adapter, or none); None otherwise, the caller then takes `lora_product` per layer."""
+    rows = x.shape[0]
+    if not kernels_enabled() or x.dim() != 2:
+        return None
+    updates = []
+    for weight, bias, segments in layers:
+        if len(segments) > 1 or (segments and (segments[0].start, segments[0].end) != (0, rows)):
+            return None
+        if grad_wanted(x, weight, bias, *(f for s in segments for f in (s.lora_a, s.lora_b))):
+            return None
+        updates.append(LoraUpdate(segments[0].lora_a, segments[0].lora_b, segments[0].scale) if segments else None)
+    return stacked_weights_product(x, [w for w, _, _ in layers], [b for _, b, _ in layers], updates)
+
+
+def _flattened(x: Tensor, *, product: Product, out: int) -> Tensor:
+    """`product` of x's rows flattened to 2-D, in x's leading shape."""
+    return product(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], out)
 
 
 def _stock_lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[LoraSegment]) -> Tensor:

@@ -5,11 +5,13 @@ none), prompt, sample count and `SamplingParams`. Each request's prompt is prefi
 an attention mask and position ids that skip the pads) and its cache is repeated for its samples; then one
 decode step per token runs all unfinished rows together, rows of one adapter contiguous so each LoRA layer
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
-it is done, so long-running samples do not drag finished ones along. The cache gets room for the decode steps
-up front (`kv_cache.reserve_decode_room`: one position written per step, not the whole cache copied; in the
-dtype the attention reads, `cpu_attention.cache_dtype`), and on
-CPU the steps multiply by prepacked copies of the frozen weights (`bios.kernels.prepacked`), with the adapter in
-them when every row uses one adapter for enough steps (`_ADAPTER_COPIES_MIN_STEPS`).
+it is done, so long-running samples do not drag finished ones along. A Llama-family model's decode steps run
+as plain calls on its parameters (`bios.worker.llama_decode`, with rows of one shared prompt attending to it
+once); other models run their own modules over Transformers' cache (`_ModuleStep`). Either cache gets room for
+the decode steps up front (one position written per step, not the whole cache copied; in the dtype the
+attention reads, `cpu_attention.cache_dtype`), and on CPU the steps multiply by prepacked copies of the frozen
+weights (`bios.kernels.prepacked`), with the adapter in them when every row uses one adapter for enough steps
+(`_ADAPTER_COPIES_MIN_STEPS`).
 
 How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
 `bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
@@ -40,6 +42,7 @@ from bios.worker.adapter import AdapterState
 from bios.worker.attention import runs_bios_attention, use_bios_attention
 from bios.worker.cpu_attention import cache_dtype
 from bios.worker.kv_cache import reserve_decode_room
+from bios.worker.llama_decode import LlamaDecodeStep
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
@@ -224,14 +227,13 @@ def _generate(
     # One row per sample; the samples of every request with one prompt share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
     expand = torch.repeat_interleave(torch.tensor(rows_of_requests, device=logits.device), counts)
-    cache.reorder_cache(expand)
     lengths = [len(item.prompt) for item in ordered]
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
     with prepacked.using(adapter=_adapter_copies(rows), rows=len(rows.adapters)):
         tokens, logprobs, finished_at, stopped = _decode(
-            model, cache, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
+            model, cache, expand, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
         )
     return _responses(
         items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}
@@ -288,13 +290,15 @@ def _prefill(
 def _decode(
     model: nn.Module,
     cache: DynamicCache,
+    expand: Tensor,
     logits: Tensor,
     rows: _Rows,
     padded: int,
     tokenizer: PreTrainedTokenizerBase | None,
     string_stops: dict[int, list[str]],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The token loop: choose, record, check stops, drop finished rows now and then, run one step.
+    """The token loop: choose, record, check stops, drop finished rows now and then, run one step. `cache` holds
+    the prefilled prompts, one row each; row i continues prompt `expand[i]`.
 
     Returns per row: tokens and logprobs [rows, steps] (valid up to the row's length), its length, and
     whether it stopped on a stop condition (else it reached max_tokens).
@@ -309,8 +313,8 @@ def _decode(
     generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
-    weights = model.get_input_embeddings().weight
-    reserve_decode_room(cache, steps, cache_dtype(weights.dtype, device) if runs_bios_attention(model) else None)
+    forward = _decode_forward(model, cache, expand, steps)
+    pads = _has_pads(rows)
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
@@ -332,19 +336,51 @@ def _decode(
                 break
             if live <= _COMPACT_WHEN_ALIVE * alive.numel():
                 keep = alive.nonzero().squeeze(1)
-                cache.reorder_cache(keep)
+                forward.keep_rows(keep)
                 rows, tokens, alive = rows.select(keep), tokens[keep], alive[keep]
+                pads = _has_pads(rows)
                 adapters_scope.close()
                 adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
-            hidden = model.base_model(
-                input_ids=tokens[:, None],
-                attention_mask=rows.attention_mask[:, : padded + step + 1],
-                position_ids=(rows.position + step)[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state
-            logits = lm_head(hidden[:, -1]).float()
+            mask = rows.attention_mask[:, : padded + step + 1] if pads else None
+            logits = lm_head(forward(tokens, rows.position + step, mask)).float()
     return out_tokens, out_logprobs, finished_at, stopped
+
+
+class _ModuleStep:
+    """A decode step through the model's own modules and Transformers' cache (expanded to one row per sample, with
+    room reserved): every model the lean step (`LlamaDecodeStep`) does not compute."""
+
+    def __init__(self, model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int) -> None:
+        self._model, self._cache = model, cache
+        cache.reorder_cache(expand)
+        dtype = model.get_input_embeddings().weight.dtype
+        reserve_decode_room(cache, steps, cache_dtype(dtype, expand.device) if runs_bios_attention(model) else None)
+
+    def keep_rows(self, rows: Tensor) -> None:
+        self._cache.reorder_cache(rows)
+
+    def __call__(self, tokens: Tensor, positions: Tensor, attention_mask: Tensor | None) -> Tensor:
+        return self._model.base_model(
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=positions[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        ).last_hidden_state[:, -1]
+
+
+def _decode_forward(model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int
+                    ) -> LlamaDecodeStep | _ModuleStep:
+    """The lean step where it computes the model (`bios.worker.llama_decode`), else the module path."""
+    dtype = model.get_input_embeddings().weight.dtype
+    lean = LlamaDecodeStep.for_model(model, cache, expand, steps, cache_dtype(dtype, expand.device))
+    return lean if lean is not None else _ModuleStep(model, cache, expand, steps)
+
+
+def _has_pads(rows: _Rows) -> bool:
+    """Whether any live row's prompt is left padded: only then does a decode step need an attention mask (the
+    module path's mask builder skips an all-ones mask the same way)."""
+    return not bool(rows.attention_mask.all())
 
 
 def _adapter_copies(rows: _Rows) -> bool:
