@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py                       # CUDA tests, GEMM peak, training (SmolLM2, Llama-1B), sampling
     python bench/gpu_check.py --models smollm2 --rounds 2 --skip-tests
+    python bench/gpu_check.py --models smollm2 --skip-training          # CUDA tests, GEMM peak, sampling
     python bench/gpu_check.py --device cpu --models tiny --batch 2 --seq 64   # a dry run of the script itself
 
 1. `tests/test_cuda.py` under pytest: bf16 detection, the kernels and whole training steps on the GPU against
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4, help="steps in flight in Bios's pipelined loop")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run of this script")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-training", action="store_true", help="only the tests, the GEMM peak and sampling")
     parser.add_argument("--model-dir", type=Path, help="where random-weight models are written (default: a temp dir)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -174,7 +176,7 @@ def main() -> None:
     print(f"bf16 GEMM peak: {peak / 1e12:.1f} TFLOP/s", flush=True)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="bios-gpu-check-"))
     results = []
-    for shape in args.models.split(","):
+    for shape in [] if args.skip_training else args.models.split(","):
         print(f"training {shape}: batch {args.batch}x{args.seq}, LoRA rank {args.rank} on every linear layer and "
               f"the head, {args.rounds} rounds of {args.steps} steps", flush=True)
         results.append(asyncio.run(training(shape, write_model(shape, model_dir, device), args, device, peak)))

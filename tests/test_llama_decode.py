@@ -25,6 +25,11 @@ ARCHITECTURES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.setenv("BIOS_KERNELS", "1")  # the lean step runs with the fused kernels only
+
+
 def _model(architecture: str, dtype: str, monkeypatch) -> torch.nn.Module:
     monkeypatch.setenv("BIOS_BASE_DTYPE", dtype)
     torch.manual_seed(0)

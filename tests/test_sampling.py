@@ -385,6 +385,7 @@ def test_a_bf16_models_decode_cache_is_kept_in_fp32_with_the_same_results(model,
              SampleItem(None, PROMPTS[3], 2, SamplingParams(max_tokens=6, seed=5, stop=[]))]
     dtypes = []
     if lean:
+        monkeypatch.setenv("BIOS_KERNELS", "1")  # the lean step runs with the fused kernels only
         caches = llama_decode.decode_caches
         monkeypatch.setattr(llama_decode, "decode_caches",
                             lambda prefill, expand, room, dtype: dtypes.append(dtype) or caches(prefill, expand, room,
