@@ -183,11 +183,11 @@ def _sample_both_ways(model, items) -> tuple[list, list, object]:
 
 @pytest.mark.parametrize("base", ["float32", "bfloat16"])
 def test_sampling_on_cuda_through_the_lean_decode_step_agrees_with_the_modules(base, monkeypatch):
-    """`bios.worker.llama_decode` on the GPU, with each row's own cache and with one shared prompt attended to once
-    (cascade): fp32 samples the module path's tokens with its log-probs to 1e-4; bf16 agrees until the first token
-    where rounding makes the two differ (log-probs to 0.1 up to there)."""
+    """`bios.worker.llama_decode` on the GPU, for rows of one shared prompt and of several (each row keeps its own
+    cache there: `decode_cache.RowCache`): fp32 samples the module path's tokens with its log-probs to 1e-4; bf16
+    agrees until the first token where rounding makes the two differ (log-probs to 0.1 up to there)."""
     from bios.types import SamplingParams
-    from bios.worker.decode_cache import RowCache, SharedPromptCache
+    from bios.worker.decode_cache import RowCache
     from bios.worker.sampling import SampleItem
 
     monkeypatch.setenv("BIOS_BASE_DTYPE", base)
@@ -198,14 +198,12 @@ def test_sampling_on_cuda_through_the_lean_decode_step_agrees_with_the_modules(b
     adapter.load_state_dict({k: v + 0.2 * torch.randn(v.shape, generator=generator).to(v.device)
                              for k, v in adapter.state_dict().items()})
     shared = [9, 80, 7, 33, 120, 5, 61, 2, 44, 17]
-    layouts = {
-        SharedPromptCache: lambda: [SampleItem(adapter, shared, 6, SamplingParams(max_tokens=20, seed=1))],
-        RowCache: lambda: [SampleItem(adapter, [3, 1, 4], 3, SamplingParams(max_tokens=20, seed=2)),
-                           SampleItem(None, [2, 7, 1, 8, 2, 8], 2, SamplingParams(max_tokens=9, seed=3))],
-    }
-    for layout, items in layouts.items():
+    batches = [lambda: [SampleItem(adapter, shared, 6, SamplingParams(max_tokens=20, seed=1))],
+               lambda: [SampleItem(adapter, [3, 1, 4], 3, SamplingParams(max_tokens=20, seed=2)),
+                        SampleItem(None, [2, 7, 1, 8, 2, 8], 2, SamplingParams(max_tokens=9, seed=3))]]
+    for items in batches:
         lean, modules, step = _sample_both_ways(model, items)
-        assert step is not None and all(type(cache) is layout for cache in step._caches)
+        assert step is not None and all(type(cache) is RowCache for cache in step._caches)
         for ours, theirs in zip(lean, modules):
             for a, b in zip(ours.sequences, theirs.sequences):
                 if base == "float32":
