@@ -168,15 +168,15 @@ def test_training_steps_on_cuda_equal_cpu_in_fp32_and_track_them_in_bf16(monkeyp
 
 def _sample_both_ways(model, items) -> tuple[list, list, object]:
     """(responses through the lean decode step, through the model's modules, the lean step that ran)."""
-    from bios.worker import sampling
+    from bios.worker.llama_decode import LlamaDecodeStep
     from bios.worker.sampling import generate
 
     made = []
-    real = sampling.LlamaDecodeStep.for_model
+    real = LlamaDecodeStep.for_model
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+        patch.setattr(LlamaDecodeStep, "for_model", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
         lean = generate(model, None, items(), eos_token_id=None)
-        patch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *a, **k: None)
+        patch.setattr(LlamaDecodeStep, "for_model", lambda *a, **k: None)
         modules = generate(model, None, items(), eos_token_id=None)
     return lean, modules, made[-1]
 

@@ -10,7 +10,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from bios.types import LoraConfig, SamplingParams
-from bios.worker import decode_cache, sampling
+from bios.worker import decode_cache
 from bios.worker.adapter import AdapterState
 from bios.worker.llama_decode import LlamaDecodeStep
 from bios.worker.lora import attach_lora
@@ -60,11 +60,11 @@ def _both_paths(model, items, monkeypatch, layout=decode_cache.RowCache):
         made.append(real(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(sampling.LlamaDecodeStep, "for_model", spy)
+    monkeypatch.setattr(LlamaDecodeStep, "for_model", spy)
     lean = generate(model, None, items(), eos_token_id=None)
     assert made and made[-1] is not None, "the lean step did not run"
     assert all(type(cache) is layout for cache in made[-1]._caches)
-    monkeypatch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(LlamaDecodeStep, "for_model", lambda *args, **kwargs: None)
     modules = generate(model, None, items(), eos_token_id=None)
     return lean, modules
 

@@ -20,8 +20,20 @@ import bios.kernels.prepacked as prepacked_module
 from bios import messages as m
 from bios import types
 from bios.kernels import gemm_choice
-from bios.kernels.frozen_matmul import frozen_linear, merged_linear, onednn_linear, stacked_linear
+from bios.kernels.frozen_matmul import frozen_linear, merged_product, onednn_linear, stacked_product
 from bios.kernels.prepacked import MklPack, PrepackedWeights, prepacked
+
+
+def merged_linear(x, *args):
+    """`merged_product`'s product applied to x, None where there is no copy."""
+    product = merged_product(x, *args)
+    return None if product is None else product(x)
+
+
+def stacked_linear(x, *args):
+    """`stacked_product`'s product applied to x, None where there is no copy."""
+    product = stacked_product(x, *args)
+    return None if product is None else product(x)
 
 
 def _inputs(dtype=torch.float32, rows=16):

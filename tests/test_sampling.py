@@ -377,7 +377,7 @@ def test_a_bf16_models_decode_cache_is_kept_in_fp32_with_the_same_results(model,
     for the lean decode step's caches (`bios.worker.decode_cache`) and Transformers' (the module path)."""
     import copy
 
-    from bios.worker import llama_decode, sampling
+    from bios.worker import decode_step, llama_decode
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     adapter = perturbed_adapter(bf16, "a", seed=7)
@@ -391,12 +391,12 @@ def test_a_bf16_models_decode_cache_is_kept_in_fp32_with_the_same_results(model,
                             lambda prefill, expand, room, dtype: dtypes.append(dtype) or caches(prefill, expand, room,
                                                                                                  dtype))
     else:
-        reserve = sampling.reserve_decode_room
-        monkeypatch.setattr(sampling.LlamaDecodeStep, "for_model", lambda *args, **kwargs: None)
-        monkeypatch.setattr(sampling, "reserve_decode_room",
+        reserve = decode_step.reserve_decode_room
+        monkeypatch.setattr(llama_decode.LlamaDecodeStep, "for_model", lambda *args, **kwargs: None)
+        monkeypatch.setattr(decode_step, "reserve_decode_room",
                             lambda cache, steps, dtype=None: dtypes.append(dtype) or reserve(cache, steps, dtype))
     fp32_cache = generate(bf16, tokenizer, items, eos_token_id=EOS)
-    monkeypatch.setattr(sampling, "cache_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(decode_step, "cache_dtype", lambda dtype, device: dtype)
     bf16_cache = generate(bf16, tokenizer, items, eos_token_id=EOS)
     assert dtypes == [torch.float32, torch.bfloat16]
     for ours, theirs in zip(fp32_cache, bf16_cache):

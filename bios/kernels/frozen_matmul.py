@@ -228,18 +228,6 @@ def stacked_weights_product(x: torch.Tensor, weights: list[torch.Tensor], biases
     return with_low_rank
 
 
-def merged_linear(x: torch.Tensor, *args) -> torch.Tensor | None:
-    """`merged_product(x, *args)` applied to x (None where there is no copy)."""
-    product = merged_product(x, *args)
-    return None if product is None else product(x)
-
-
-def stacked_linear(x: torch.Tensor, *args) -> torch.Tensor | None:
-    """`stacked_product(x, *args)` applied to x (None where there is no copy)."""
-    product = stacked_product(x, *args)
-    return None if product is None else product(x)
-
-
 def _prepacked_copy(x: torch.Tensor, weight: torch.Tensor, **lora) -> torch.Tensor | None:
     """`prepacked(x, weight, **lora)`, except under `BIOS_GEMM=aten`, which keeps every product on PyTorch's own
     matmul: the one place the three products above ask for a copy."""

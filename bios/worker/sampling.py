@@ -7,11 +7,11 @@ decode step per token runs all unfinished rows together, rows of one adapter con
 loops over a few row ranges (`active_adapters`). Rows that finish are dropped from the batch once a quarter of
 it is done, so long-running samples do not drag finished ones along. A Llama-family model's decode steps run
 as plain calls on its parameters (`bios.worker.llama_decode`, with rows of one shared prompt attending to it
-once); other models run their own modules over Transformers' cache (`_ModuleStep`). Either cache gets room for
-the decode steps up front (one position written per step, not the whole cache copied; in the dtype the
-attention reads, `cpu_attention.cache_dtype`), and on CPU the steps multiply by prepacked copies of the frozen
-weights (`bios.kernels.prepacked`), with the adapter in them when every row uses one adapter for enough steps
-(`_ADAPTER_COPIES_MIN_STEPS`).
+once); other models run their own modules over Transformers' cache (`bios.worker.decode_step`). Either cache
+gets room for the decode steps up front (one position written per step, not the whole cache copied; in the
+dtype the attention reads, `cpu_attention.cache_dtype`), and on CPU the steps multiply by prepacked copies of
+the frozen weights (`bios.kernels.prepacked`), with the adapter in them when every row uses one adapter for
+enough steps (`_ADAPTER_COPIES_MIN_STEPS`).
 
 How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
 `bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
@@ -39,10 +39,8 @@ from bios.exceptions import BadRequestError
 from bios.kernels.prepacked import PrepackedWeights
 from bios.types import SampledSequence, SampleResponse, SamplingParams
 from bios.worker.adapter import AdapterState
-from bios.worker.attention import runs_bios_attention, use_bios_attention
-from bios.worker.cpu_attention import cache_dtype
-from bios.worker.kv_cache import reserve_decode_room
-from bios.worker.llama_decode import LlamaDecodeStep
+from bios.worker.attention import use_bios_attention
+from bios.worker.decode_step import decode_step
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
@@ -313,7 +311,7 @@ def _decode(
     generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
-    forward = _decode_forward(model, cache, expand, steps)
+    forward = decode_step(model, cache, expand, steps)
     pads = _has_pads(rows)
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
@@ -344,37 +342,6 @@ def _decode(
             mask = rows.attention_mask[:, : padded + step + 1] if pads else None
             logits = lm_head(forward(tokens, rows.position + step, mask)).float()
     return out_tokens, out_logprobs, finished_at, stopped
-
-
-class _ModuleStep:
-    """A decode step through the model's own modules and Transformers' cache (expanded to one row per sample, with
-    room reserved): every model the lean step (`LlamaDecodeStep`) does not compute."""
-
-    def __init__(self, model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int) -> None:
-        self._model, self._cache = model, cache
-        cache.reorder_cache(expand)
-        dtype = model.get_input_embeddings().weight.dtype
-        reserve_decode_room(cache, steps, cache_dtype(dtype, expand.device) if runs_bios_attention(model) else None)
-
-    def keep_rows(self, rows: Tensor) -> None:
-        self._cache.reorder_cache(rows)
-
-    def __call__(self, tokens: Tensor, positions: Tensor, attention_mask: Tensor | None) -> Tensor:
-        return self._model.base_model(
-            input_ids=tokens[:, None],
-            attention_mask=attention_mask,
-            position_ids=positions[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        ).last_hidden_state[:, -1]
-
-
-def _decode_forward(model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int
-                    ) -> LlamaDecodeStep | _ModuleStep:
-    """The lean step where it computes the model (`bios.worker.llama_decode`), else the module path."""
-    dtype = model.get_input_embeddings().weight.dtype
-    lean = LlamaDecodeStep.for_model(model, cache, expand, steps, cache_dtype(dtype, expand.device))
-    return lean if lean is not None else _ModuleStep(model, cache, expand, steps)
 
 
 def _has_pads(rows: _Rows) -> bool:
