@@ -135,9 +135,10 @@ def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: 
     """Seconds of one decode step's weight matmuls alone (fastest of `rounds`, through the fastest of PyTorch's
     own matmul, oneDNN's with prepacked weights and, on Intel CPUs, MKL's packed ones: `bios.kernels.frozen_matmul`,
     `bios.kernels.prepacked`): the floor of any sampler that reads these weights in this dtype for `rows`
-    sequences per step with these libraries."""
+    sequences per step with these libraries. A Llama-family layer's q/k/v and gate/up weights count stacked, one
+    product each, as the sampler multiplies them (`bios.kernels.prepacked.prepacked_stack`)."""
     model = load_base_model(model_name, dtype=dtype).model
-    weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    weights = _stacked_by_input(model)
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in weights}
     best, setting = float("inf"), os.environ.get("BIOS_GEMM")
     with torch.inference_mode(), PrepackedWeights().using(rows=rows):
@@ -153,6 +154,19 @@ def decode_matmul_floor(model_name: str, rows: int, dtype: torch.dtype, rounds: 
     else:
         os.environ["BIOS_GEMM"] = setting
     return best
+
+
+def _stacked_by_input(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every linear layer's weight in model order, a decoder layer's q, k and v (gate and up) stacked into one."""
+    weights, stacks = [], {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
+    for module in model.modules():
+        names = {name for name, child in module.named_children() if isinstance(child, torch.nn.Linear)}
+        for stack in stacks:
+            if set(stack) <= names:
+                weights.append(torch.cat([getattr(module, name).weight for name in stack]))
+                names -= set(stack)
+        weights += [getattr(module, name).weight for name in sorted(names)]
+    return weights
 
 
 def _sync(device: torch.device) -> None:
