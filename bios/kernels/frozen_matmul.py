@@ -113,10 +113,7 @@ def prepacked_linear(x: torch.Tensor, copy: torch.Tensor | MklPack, bias: torch.
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """`x Wᵀ + b` by W's prepacked copy (`bios.kernels.prepacked`: oneDNN's blocked layout, which cannot be
     sliced, or an MKL pack), into `out` if given."""
-    if isinstance(copy, MklPack):
-        result = copy.linear(x, bias)
-    else:
-        result = torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+    result = _copy_product(copy, bias)(x)
     return result if out is None else out.copy_(result)
 
 

@@ -29,31 +29,40 @@ from transformers.cache_utils import DynamicLayer
 from bios.worker.cpu_attention import cpu_attention
 
 
-class RowCache:
-    """One layer's keys and values per row: [rows, kv heads, positions + room, head dim]."""
+class _RowBuffers:
+    """Each row's keys and values [rows, kv heads, positions, head dim], filled one position a step."""
 
-    def __init__(self, keys: Tensor, values: Tensor, expand: Tensor, room: int, dtype: torch.dtype) -> None:
-        self._keys = _with_room(keys, expand, room, dtype)
-        self._values = _with_room(values, expand, room, dtype)
-        self._filled = keys.shape[-2]
+    def __init__(self, keys: Tensor, values: Tensor, filled: int) -> None:
+        self._keys, self._values, self._filled = keys, values, filled
 
-    def attend(self, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-               scaling: float) -> Tensor:
-        """Add this step's key and value [rows, kv heads, head dim], attend with query [rows, heads, head dim]
-        (`mask` [rows, 1, 1, positions] or None) -> [rows, heads x head dim]."""
-        position = self._filled
-        self._keys[:, :, position].copy_(key)
-        self._values[:, :, position].copy_(value)
+    def _append(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Write this step's key and value [rows, kv heads, head dim]; every filled position's keys and values."""
+        self._keys[:, :, self._filled].copy_(key)
+        self._values[:, :, self._filled].copy_(value)
         self._filled += 1
-        attended, _ = cpu_attention(attention, query[:, :, None], self._keys[:, :, : self._filled],
-                                    self._values[:, :, : self._filled], mask, scaling=scaling)
-        return attended.reshape(query.shape[0], -1)
+        return self._keys[:, :, : self._filled], self._values[:, :, : self._filled]
 
     def keep(self, rows: Tensor) -> None:
         self._keys, self._values = self._keys[rows], self._values[rows]
 
 
-class SharedPromptCache:
+class RowCache(_RowBuffers):
+    """One layer's keys and values per row: [rows, kv heads, positions + room, head dim]."""
+
+    def __init__(self, keys: Tensor, values: Tensor, expand: Tensor, room: int, dtype: torch.dtype) -> None:
+        super().__init__(_with_room(keys, expand, room, dtype), _with_room(values, expand, room, dtype),
+                         keys.shape[-2])
+
+    def attend(self, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+               scaling: float) -> Tensor:
+        """Add this step's key and value [rows, kv heads, head dim], attend with query [rows, heads, head dim]
+        (`mask` [rows, 1, 1, positions] or None) -> [rows, heads x head dim]."""
+        keys, values = self._append(key, value)
+        attended, _ = cpu_attention(attention, query[:, :, None], keys, values, mask, scaling=scaling)
+        return attended.reshape(query.shape[0], -1)
+
+
+class SharedPromptCache(_RowBuffers):
     """One layer's keys and values when every row continues one prompt: the prompt's [kv heads, prompt, head dim]
     once, and each row's generated positions [rows, kv heads, room, head dim]."""
 
@@ -61,22 +70,14 @@ class SharedPromptCache:
         self._prompt_keys = keys[0].to(dtype)
         self._prompt_values = values[0].to(dtype)
         heads, _, width = self._prompt_keys.shape
-        self._keys = keys.new_empty(rows, heads, room, width, dtype=dtype)
-        self._values = values.new_empty(rows, heads, room, values.shape[-1], dtype=dtype)
-        self._filled = 0
+        super().__init__(keys.new_empty(rows, heads, room, width, dtype=dtype),
+                         values.new_empty(rows, heads, room, values.shape[-1], dtype=dtype), 0)
 
     def attend(self, attention: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
                scaling: float) -> Tensor:
         """`RowCache.attend`, cascaded over the shared prompt (no row's prompt is padded, so `mask` is None)."""
-        position = self._filled
-        self._keys[:, :, position].copy_(key)
-        self._values[:, :, position].copy_(value)
-        self._filled += 1
-        return cascade_attention(query, self._prompt_keys, self._prompt_values, self._keys[:, :, : self._filled],
-                                 self._values[:, :, : self._filled], scaling)
-
-    def keep(self, rows: Tensor) -> None:
-        self._keys, self._values = self._keys[rows], self._values[rows]
+        keys, values = self._append(key, value)
+        return cascade_attention(query, self._prompt_keys, self._prompt_values, keys, values, scaling)
 
 
 def cascade_attention(query: Tensor, prompt_keys: Tensor, prompt_values: Tensor, keys: Tensor, values: Tensor,

@@ -71,4 +71,3 @@ def reserve_decode_room(cache: DynamicCache, steps: int, dtype: torch.dtype | No
             layer._reserve(steps, dtype)
             reserved += 1
     return reserved
-

@@ -80,8 +80,8 @@ def lora_product(x: Tensor, weight: Tensor, bias: Tensor | None, segments: list[
         return partial(_stock_lora_forward, weight=weight, bias=bias, segments=segments)
     if not segments and not grad_wanted(x, weight, bias):  # sampling the base: no kernel bookkeeping per call
         return frozen_product(x, weight, bias)
-    if len(segments) == 1 and segments[0].start == 0 and segments[0].end == x.shape[0]:  # one adapter, every row
-        whole = segments[0]
+    whole = _on_every_row(segments, x.shape[0])
+    if whole is not None:
         if not grad_wanted(x, weight, bias, whole.lora_a, whole.lora_b):
             product = adapter_copy_product(x.reshape(-1, x.shape[-1]), weight, bias, whole.lora_a, whole.lora_b,
                                            whole.scale)
@@ -102,12 +102,18 @@ def stacked_lora_product(x: Tensor, layers: list[tuple[Tensor, Tensor | None, li
         return None
     updates = []
     for weight, bias, segments in layers:
-        if len(segments) > 1 or (segments and (segments[0].start, segments[0].end) != (0, rows)):
+        whole = _on_every_row(segments, rows)
+        if segments and whole is None:
             return None
-        if grad_wanted(x, weight, bias, *(f for s in segments for f in (s.lora_a, s.lora_b))):
+        if grad_wanted(x, weight, bias, *(() if whole is None else (whole.lora_a, whole.lora_b))):
             return None
-        updates.append(LoraUpdate(segments[0].lora_a, segments[0].lora_b, segments[0].scale) if segments else None)
+        updates.append(None if whole is None else LoraUpdate(whole.lora_a, whole.lora_b, whole.scale))
     return stacked_weights_product(x, [w for w, _, _ in layers], [b for _, b, _ in layers], updates)
+
+
+def _on_every_row(segments: list[LoraSegment], rows: int) -> LoraSegment | None:
+    """The one segment when one adapter covers all `rows` rows, else None."""
+    return segments[0] if len(segments) == 1 and (segments[0].start, segments[0].end) == (0, rows) else None
 
 
 def _flattened(x: Tensor, *, product: Product, out: int) -> Tensor:
