@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -368,6 +370,42 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     keeper = PrepackedWeights()
     generate(model, tokenizer, [short], eos_token_id=EOS, prepacked=keeper)
     assert not holds_merged_copy(keeper)  # too few steps to repay them
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler: no row kernel here")
+@pytest.mark.parametrize("with_adapter", [True, False])
+def test_decodes_of_5_to_32_rows_multiply_by_row_kernel_packs_with_the_same_results(model, tokenizer, with_adapter,
+                                                                                    monkeypatch):
+    """fp32 decode steps of 5 to 32 rows multiply by the row kernel's packs (`bios.kernels.row_gemm`): of the
+    weights, or of W + scale·B·A when one adapter has every row for long enough; the same tokens and logprobs (to
+    fp32 rounding) as the plain weights'."""
+    from bios.kernels.prepacked import LoraUpdate, PrepackedWeights, prepacked_stack
+    from bios.kernels.row_gemm import RowGemmPack
+
+    for name in ("BIOS_PREPACK", "BIOS_GEMM", "BIOS_ROW_GEMM"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("BIOS_KERNELS", "1")
+    model = model.float()
+    adapter = perturbed_adapter(model, "a", seed=6) if with_adapter else None
+    params = SamplingParams(max_tokens=40, seed=2, stop=[])
+    items = ([SampleItem(adapter, PROMPTS[1], 6, params)] if with_adapter
+             else [SampleItem(None, PROMPTS[0], 4, params), SampleItem(None, PROMPTS[3], 3, params)])
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    weights = [model.get_submodule(name).weight for name in names]
+    updates = [LoraUpdate(*adapter.lora_pair(name), adapter.scale) if with_adapter else None for name in names]
+    keeper = PrepackedWeights()
+    packed = generate(model, tokenizer, items, eos_token_id=EOS, prepacked=keeper)
+    held = keeper.held_bytes()
+    with torch.inference_mode(), keeper.using(adapter=with_adapter, rows=7):  # the copy the decode made is kept
+        assert isinstance(prepacked_stack(torch.zeros(1, weights[0].shape[1]), weights, updates), RowGemmPack)
+        assert keeper.held_bytes() == held
+    monkeypatch.setenv("BIOS_PREPACK", "off")
+    plain = generate(model, tokenizer, items, eos_token_id=EOS)
+    for result_packed, result_plain in zip(packed, plain):
+        assert [s.tokens for s in result_packed.sequences] == [s.tokens for s in result_plain.sequences]
+        for s_packed, s_plain in zip(result_packed.sequences, result_plain.sequences):
+            torch.testing.assert_close(torch.tensor(s_packed.logprobs), torch.tensor(s_plain.logprobs), rtol=1e-3,
+                                       atol=1e-3)
 
 
 @pytest.mark.parametrize("lean", [True, False])

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from bios.kernels import gemm_choice
 from bios.kernels.gemm_choice import gemm_backend
 from bios.kernels.prepacked import LoraUpdate, MklPack, merges, prepacked, prepacked_stack
+from bios.kernels.row_gemm import RowGemmPack
 
 def gemm_library(weight: torch.Tensor) -> str:
     """Which library multiplies by `weight` (a frozen base weight), for the worker's log: `_onednn`'s rule asked
@@ -109,7 +110,7 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def prepacked_linear(x: torch.Tensor, copy: torch.Tensor | MklPack, bias: torch.Tensor | None = None, *,
+def prepacked_linear(x: torch.Tensor, copy: torch.Tensor | MklPack | RowGemmPack, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """`x Wᵀ + b` by W's prepacked copy (`bios.kernels.prepacked`: oneDNN's blocked layout, which cannot be
     sliced, or an MKL pack), into `out` if given."""
@@ -142,8 +143,8 @@ def frozen_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return partial(frozen_linear, weight=weight, bias=bias) if copy is None else _copy_product(copy, bias)
 
 
-def _copy_product(copy: torch.Tensor | MklPack, bias: torch.Tensor | None) -> Product:
-    if isinstance(copy, MklPack):
+def _copy_product(copy: torch.Tensor | MklPack | RowGemmPack, bias: torch.Tensor | None) -> Product:
+    if isinstance(copy, (MklPack, RowGemmPack)):
         return partial(copy.linear, bias=bias)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
 

@@ -53,7 +53,8 @@ from typing import NamedTuple
 import psutil
 import torch
 
-from bios.kernels import gemm_choice
+from bios.kernels import gemm_choice, row_gemm
+from bios.kernels.row_gemm import RowGemmPack
 
 # The rows oneDNN lays a copy out for. A hint of 1 picks a layout no faster than the plain weight; any of 8 to
 # 256 ran 8 to 256 rows alike (fp32, 1536 x 576), so one fixed hint serves every batch size.
@@ -76,6 +77,7 @@ class PrepackedWeights:
         self._adapter_copies = False  # whether the current block makes and uses copies with an adapter in them
         self._adapter_keys_used: set[tuple] = set()  # the keys of such copies the current block used
         self._mkl_rows: int | None = _ROWS_HINT  # the rows MKL packs are made for in the current block, if any
+        self._row_gemm = False  # whether the current block's fp32 copies are `RowGemmPack`s
 
     @contextmanager
     def using(self, *, adapter: bool = False, rows: int = _ROWS_HINT) -> Iterator[None]:
@@ -91,6 +93,7 @@ class PrepackedWeights:
             self._room = psutil.virtual_memory().available // 2
             self._adapter_copies, self._adapter_keys_used = adapter, set()
             self._mkl_rows = _mkl_pack_rows(rows)
+            self._row_gemm = row_gemm.suits(rows)
             token = _ACTIVE.set(self)
         try:
             yield
@@ -108,7 +111,7 @@ class PrepackedWeights:
         return sum(held.nbytes for held in self._copies.values())
 
     def _copy(self, weights: tuple[torch.Tensor, ...], updates: tuple[LoraUpdate | None, ...]
-              ) -> torch.Tensor | MklPack | None:
+              ) -> torch.Tensor | MklPack | RowGemmPack | None:
         """The copy of `weights` stacked by output rows (each with its update in it, if given), made now if it has
         none and one fits in this block's room; else None. A copy made from older versions of the updates' factors
         is replaced. It goes with its first weight (a stack's weights are one layer's, freed together) and with its
@@ -125,11 +128,11 @@ class PrepackedWeights:
             self._adapter_keys_used.add(key)
         held = self._copies.get(key)
         first = weights[0]
-        mkl = first.dtype == torch.float32 and mkl_packs()
+        kind = self._kind(first.dtype)
         if (held is not None and held.owner() is owners[0] and held.version == version
-                and isinstance(held.copy, MklPack) == mkl and (not mkl or held.copy.rows == self._mkl_rows)):
+                and type(held.copy) is kind and (kind is not MklPack or held.copy.rows == self._mkl_rows)):
             return held.copy
-        if mkl and self._mkl_rows is None:
+        if kind is None:
             return None
         plain_rows = sum(weight.shape[0] for weight in weights)
         stacked_rows = sum(update.lora_a.shape[0] for update in adapted if update.lora_b is None)
@@ -140,14 +143,31 @@ class PrepackedWeights:
         if nbytes > self._room:
             return None
         plain = _plain(weights, updates).contiguous()
-        copy = (MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._mkl_rows),
-                        first.new_empty(()).expand(plain_rows, first.shape[1]), self._mkl_rows)
-                if mkl else torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT))
+        if kind is RowGemmPack:
+            copy = row_gemm.pack(plain)
+        elif kind is MklPack:
+            copy = MklPack(torch.ops.mkl._mkl_reorder_linear_weight(plain, self._mkl_rows),
+                           first.new_empty(()).expand(plain_rows, first.shape[1]), self._mkl_rows)
+        else:
+            copy = torch.ops.mkldnn._reorder_linear_weight(plain, _ROWS_HINT)
         drop = lambda _, key=key: self._copies.pop(key, None)  # noqa: E731
         self._copies[key] = _Held(weakref.ref(owners[0], drop), copy, nbytes, version,
                                   weakref.ref(adapted[0].lora_a, drop) if adapted else None)
         self._room -= nbytes
         return copy
+
+
+    def _kind(self, dtype: torch.dtype) -> type | None:
+        """What a copy of a weight in `dtype` is in the current block: a `RowGemmPack` for fp32 where the row
+        kernel suits the block's rows, else an `MklPack` for fp32 on Intel CPUs (None: no copy, too few rows), else
+        oneDNN's blocked tensor."""
+        if dtype != torch.float32:
+            return torch.Tensor
+        if self._row_gemm:
+            return RowGemmPack
+        if mkl_packs():
+            return None if self._mkl_rows is None else MklPack
+        return torch.Tensor
 
 
 def _plain(weights: tuple[torch.Tensor, ...], updates: tuple[LoraUpdate | None, ...]) -> torch.Tensor:
@@ -198,7 +218,7 @@ class MklPack(NamedTuple):
 @dataclass
 class _Held:
     owner: weakref.ref  # the tensor the weight is (a view of); the copy goes with it
-    copy: torch.Tensor | MklPack
+    copy: torch.Tensor | MklPack | RowGemmPack
     nbytes: int
     version: tuple[int, ...] | None  # the versions of the factors the copy was made from
     factor: weakref.ref | None  # the update's A; the copy also goes with it (its adapter was dropped)
@@ -221,7 +241,7 @@ def mkl_packs() -> bool:
 
 
 def prepacked(x: torch.Tensor, weight: torch.Tensor, *, lora_a: torch.Tensor | None = None,
-              lora_b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor | MklPack | None:
+              lora_b: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor | MklPack | RowGemmPack | None:
     """The prepacked copy of `weight` to multiply `x` by inside a `PrepackedWeights.using()` block, made now if
     need be; None outside one, off the CPU, for other dtypes, or once the block's room is used up. Given LoRA
     factors (A [r, in], B [out, r]) the copy of `weight + scale·B·A`, fp32 only; given A alone the copy of
@@ -242,7 +262,7 @@ class LoraUpdate(NamedTuple):
 
 
 def prepacked_stack(x: torch.Tensor, weights: list[torch.Tensor], updates: list[LoraUpdate | None]
-                    ) -> torch.Tensor | MklPack | None:
+                    ) -> torch.Tensor | MklPack | RowGemmPack | None:
     """`prepacked` for several weights that multiply the same `x` (q, k and v; gate and up), stacked by output
     rows: one product gives every output side by side, each weight with its own update (or none) in it, and
     the A factors of stacked updates (`lora_b` None) after all the weights' rows."""

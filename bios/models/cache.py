@@ -14,11 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-
-def cache_dir() -> Path:
-    """The Bios cache: `$BIOS_CACHE_DIR`, else `~/.cache/bios`. Not created here."""
-    configured = os.environ.get("BIOS_CACHE_DIR", "").strip()
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "bios"
+from bios.cache_dir import cache_dir
 
 
 def models_dir() -> Path:
