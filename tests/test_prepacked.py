@@ -49,7 +49,7 @@ def _defaults(monkeypatch):
     monkeypatch.delenv("BIOS_PREPACK", raising=False)
     monkeypatch.delenv("BIOS_GEMM", raising=False)
     monkeypatch.setattr(gemm_choice, "intel_cpu", lambda: False)  # oneDNN's copies (MKL's: the tests that say so)
-    monkeypatch.setenv("BIOS_ROW_GEMM", "off")  # the row kernel's packs: the tests that say so
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")  # the row kernel's packs: the tests that say so
 
 
 def test_decode_products_multiply_by_one_kept_copy_with_the_plain_weights_numbers():

@@ -382,7 +382,7 @@ def test_decodes_of_5_to_32_rows_multiply_by_row_kernel_packs_with_the_same_resu
     from bios.kernels.prepacked import LoraUpdate, PrepackedWeights, prepacked_stack
     from bios.kernels.row_gemm import RowGemmPack
 
-    for name in ("BIOS_PREPACK", "BIOS_GEMM", "BIOS_ROW_GEMM"):
+    for name in ("BIOS_PREPACK", "BIOS_GEMM", "BIOS_C_KERNELS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("BIOS_KERNELS", "1")
     model = model.float()

@@ -33,6 +33,12 @@ that needs another size remakes the copies (SmolLM2: ~0.7 s). One or two rows ta
 the plain weight ran them fastest (20.9 / 22.3 ms; packed 22.9 / 23.8, oneDNN's copies 29.6 / 31.3).
 `BIOS_GEMM=onednn` keeps oneDNN's copies there too.
 
+Where the machine's C compiler builds it, an fp32 copy for a block of 5 to 32 rows is the row kernel's pack
+instead (`bios.kernels.row_gemm.RowGemmPack`, on any x86 CPU with AVX2): it streams a weight faster than MKL's
+packs (SmolLM2's layers at 16 rows: 23-25 against 29 ms on the Intel Xeon) and serves any row count, so a block's
+rows change nothing. MKL's packs and oneDNN's copies keep the other row counts, and every copy where it cannot
+be built (`BIOS_C_KERNELS=off` too).
+
 Weights that multiply the same input (a Llama layer's q, k and v; its gate and up) can share one copy, stacked
 by output rows (`prepacked_stack`): one product and one call instead of three or two. SmolLM2's layers' products,
 fp32, 16 rows streamed from memory as in a decode step: 27.5 -> 26.9 ms; the lean decode step

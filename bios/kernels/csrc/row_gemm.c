@@ -5,15 +5,16 @@
  * in registers (VW = RB = 16 with AVX-512, 8 with AVX2). Each output is its k products summed in order with
  * fused multiply-adds, starting from its bias (or zero): a column's result does not depend on which other
  * columns share its pack, so a stack of weights gives each weight's own numbers bit for bit.
- * Built by bios/kernels/row_gemm.py with -O3, -fopenmp and -DVW=... for the CPU's vector width. */
+ * Built by bios/kernels/c_kernels.py. */
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+#include "vec.h"
+
 #define RB VW
 #define PREFETCH_FLOATS 512 /* 2 KiB ahead of the block's stream (measured: none 13 GB/s, 512 18.6 GB/s) */
 
-int bios_row_gemm_width(void) { return VW; }
+int bios_vector_width(void) { return VW; }
 
 void bios_row_gemm(const float* x, long ldx, const float* wp, const float* bias, float* y, long ldy,
                    int rows, int k, int n, int threads) {

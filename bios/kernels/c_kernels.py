@@ -1,0 +1,108 @@
+"""Bios's C kernels (`csrc/*.c`): built on first use with the machine's C compiler, loaded with ctypes.
+
+A decode step's few rows leave PyTorch's and MKL's kernels short of the machine: its weight products stream
+weights at about half of what the cores read (`row_gemm`), and its attention is a dozen small ops a layer
+(`decode_attention`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
+so one source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP, AVX-512 or AVX2+FMA
+as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
+`<bios cache>/kernels/`, keyed by the sources and flags, once per machine. Without a compiler, on other CPUs, or
+with `BIOS_C_KERNELS=off`, nothing changes: callers keep PyTorch's ops (the worker logs why once). The library's
+OpenMP is PyTorch's: loaded after torch, its `libgomp.so.1` resolves to the copy torch loaded, so both share one
+thread pool, sized per call to `torch.get_num_threads()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from bios.cache_dir import cache_dir
+
+log = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).with_name("csrc")
+# PyTorch's CPU capability -> the vector width in floats, the compiler's instruction-set flags.
+_ISA_FLAGS = {"AVX512": (16, ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"]), "AVX2": (8, ["-mavx2", "-mfma"])}
+
+
+class CKernels(NamedTuple):
+    library: ctypes.CDLL
+    width: int  # floats in one vector register of the instruction set it was built for
+
+
+def c_kernels_setting() -> str:
+    """`BIOS_C_KERNELS` (unset: "auto"): whether decode steps may use the C kernels."""
+    value = os.environ.get("BIOS_C_KERNELS", "").strip().lower() or "auto"
+    if value not in ("auto", "off"):
+        raise ValueError(f"BIOS_C_KERNELS must be 'auto' or 'off' (unset: auto), got {value!r}")
+    return value
+
+
+def c_kernels() -> CKernels | None:
+    """The built kernels where the setting allows them and they build here, else None."""
+    return None if c_kernels_setting() == "off" else _loaded()
+
+
+@cache
+def _loaded() -> CKernels | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _ISA_FLAGS:
+        log.info("decode steps keep PyTorch's ops: Bios's C kernels need an x86 CPU with AVX2 (this is %s, "
+                 "PyTorch's capability %s)", platform.machine(), capability)
+        return None
+    width, isa = _ISA_FLAGS[capability]
+    try:
+        library = ctypes.CDLL(str(_build(width, isa)))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.warning("decode steps keep PyTorch's ops: could not build bios/kernels/csrc (%s)", error)
+        return None
+    if library.bios_vector_width() != width:
+        raise RuntimeError(f"bios/kernels/csrc built for {library.bios_vector_width()} floats, expected {width}")
+    for name, arguments in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = None, arguments
+    return CKernels(library, width)
+
+
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+# The C functions' arguments, as csrc/*.c declare them.
+_SIGNATURES = {
+    "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
+    "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
+}
+
+
+def _build(width: int, isa: list[str]) -> Path:
+    """The shared library of every `csrc/*.c` for this width and these flags, compiled now unless the cache has
+    it. Several workers may build at once: each compiles to a private file and renames it into place."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)")
+    flags = ["-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", f"-DVW={width}", *isa]
+    sources = sorted(_SOURCES.glob("*.c"))
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_SOURCES.iterdir()))
+                            + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"bios-kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        built = Path(staging) / target.name
+        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built)], capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode != 0:
+            raise OSError(f"{compiler} exited {result.returncode}: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    log.info("built Bios's C kernels (%d-float vectors) into %s", width, target)
+    return target

@@ -1,0 +1,59 @@
+"""Bios's C kernels (bios.kernels.c_kernels): built once per machine with its C compiler into the Bios cache and
+found there afterwards; without a compiler, or with `BIOS_C_KERNELS=off`, there are none (and a warning says
+why), so their callers keep PyTorch's ops."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from bios.kernels import c_kernels
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
+    monkeypatch.setenv("BIOS_CACHE_DIR", str(tmp_path))
+    c_kernels._loaded.cache_clear()
+    yield
+    c_kernels._loaded.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
+def test_the_kernels_are_built_once_into_the_bios_cache(tmp_path, monkeypatch):
+    kernels = c_kernels.c_kernels()
+    assert kernels is not None and kernels.width in (8, 16)
+    built = list((tmp_path / "kernels").glob("bios-kernels-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob("tmp*"))  # no staging left behind
+    c_kernels._loaded.cache_clear()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert c_kernels.c_kernels() is not None and list((tmp_path / "kernels").glob("bios-kernels-*.so")) == built
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")
+    assert c_kernels.c_kernels() is None
+    monkeypatch.setenv("BIOS_C_KERNELS", "fast")
+    with pytest.raises(ValueError, match="BIOS_C_KERNELS must be 'auto' or 'off'"):
+        c_kernels.c_kernels()
+
+
+def test_without_a_compiler_there_are_none_and_a_warning_says_why(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with caplog.at_level("WARNING", logger="bios.kernels.c_kernels"):
+        assert c_kernels.c_kernels() is None
+    assert "could not build bios/kernels/csrc" in caplog.text and "set CC" in caplog.text
+
+
+def test_a_failed_build_says_what_the_compiler_said(monkeypatch, caplog, tmp_path):
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'error: this compiler refuses' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    with caplog.at_level("WARNING", logger="bios.kernels.c_kernels"):
+        assert c_kernels.c_kernels() is None
+    assert "exited 1" in caplog.text and "this compiler refuses" in caplog.text
