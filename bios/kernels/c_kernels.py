@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 _SOURCES = Path(__file__).with_name("csrc")
 # PyTorch's CPU capability -> the vector width in floats, the compiler's instruction-set flags.
 _ISA_FLAGS = {"AVX512": (16, ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"]), "AVX2": (8, ["-mavx2", "-mfma"])}
+# The C functions' arguments, as csrc/*.c declare them (they return nothing).
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
+    "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
+}
 
 
 class CKernels(NamedTuple):
@@ -63,7 +69,8 @@ def _loaded() -> CKernels | None:
         return None
     width, isa = _ISA_FLAGS[capability]
     try:
-        library = ctypes.CDLL(str(_build(width, isa)))
+        path = _build(width, isa)
+        library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         log.warning("decode steps keep PyTorch's ops: could not build bios/kernels/csrc (%s)", error)
         return None
@@ -72,15 +79,8 @@ def _loaded() -> CKernels | None:
     for name, arguments in _SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = None, arguments
+    log.info("decode steps use Bios's C kernels (%s, %d-float vectors): %s", capability, width, path)
     return CKernels(library, width)
-
-
-_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-# The C functions' arguments, as csrc/*.c declare them.
-_SIGNATURES = {
-    "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
-    "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
-}
 
 
 def _build(width: int, isa: list[str]) -> Path:
@@ -104,5 +104,5 @@ def _build(width: int, isa: list[str]) -> Path:
         if result.returncode != 0:
             raise OSError(f"{compiler} exited {result.returncode}: {result.stderr.strip()[-500:]}")
         os.replace(built, target)
-    log.info("built Bios's C kernels (%d-float vectors) into %s", width, target)
+    log.info("built Bios's C kernels with %s", compiler)
     return target
