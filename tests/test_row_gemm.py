@@ -49,6 +49,8 @@ def test_the_kernel_multiplies_a_few_rows_as_pytorch_does(rows, out, inputs):
     torch.testing.assert_close(packed.linear(wide), F.linear(wide, weight), rtol=1e-5, atol=1e-4)
     batched = packed.linear(x[:, None, :], bias)
     assert batched.shape == (rows, 1, out) and torch.equal(batched[:, 0], packed.linear(x, bias))
+    with pytest.raises(TypeError, match="fp32 CPU tensors, got torch.bfloat16"):
+        packed.linear(x.bfloat16())
 
 
 @needs_compiler

@@ -1,8 +1,9 @@
 """Bios's C kernels (`csrc/*.c`): built on first use with the machine's C compiler, loaded with ctypes.
 
 A decode step's few rows leave PyTorch's and MKL's kernels short of the machine: its weight products stream
-weights at about half of what the cores read (`row_gemm`), and its attention is a dozen small ops a layer
-(`decode_attention`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
+weights at about half of what the cores read (`row_gemm`), its attention is a dozen small ops a layer
+(`decode_attention`), and its norms, RoPE and SwiGLU are more small ops, each run with cold caches
+(`decode_ops`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
 so one source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP, AVX-512 or AVX2+FMA
 as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
 `<bios cache>/kernels/`, keyed by the sources and flags, once per machine. Without a compiler, on other CPUs, or
@@ -39,6 +40,9 @@ _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
     "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
+    "bios_add_rms_norm": [_p, _l, _p, _l, _p, _p, _l, _i, _i, _f],
+    "bios_rotate": [_p, _l, _i, _i, _i, _p, _p],
+    "bios_swiglu": [_p, _l, _p, _i, _i],
 }
 
 

@@ -162,7 +162,6 @@ class PrepackedWeights:
         self._room -= nbytes
         return copy
 
-
     def _kind(self, dtype: torch.dtype) -> type | None:
         """What a copy of a weight in `dtype` is in the current block: a `RowGemmPack` for fp32 where the row
         kernel suits the block's rows, else an `MklPack` for fp32 on Intel CPUs (None: no copy, too few rows), else

@@ -40,12 +40,14 @@ class RowGemmPack(NamedTuple):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x Wᵀ + b` for fp32 x [..., in]."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"RowGemmPack multiplies fp32 CPU tensors, got {x.dtype} on {x.device}")
         flat = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         out = flat.new_empty(flat.shape[0], self.out_features)
-        if bias is not None and bias.stride(0) != 1:
-            bias = bias.contiguous()
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
         self.kernels.library.bios_row_gemm(
             flat.data_ptr(), flat.stride(0), self.packed.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), self.out_features, flat.shape[0], flat.shape[1], self.out_features,

@@ -9,10 +9,13 @@ model's own rotary embedding (query and key heads in one rotation), attention ov
 (`bios.worker.decode_cache`), and the projections resolved once per batch rather than routed at every call
 (`lora_product`; adapters, prepacked and merged copies as before). Projections that share an input (q, k and v;
 gate and up) multiply by one stacked copy where a decode's rows use no adapter or one on every row
-(`stacked_lora_product`). Where each row keeps its own copy of its prompt (`decode_cache.RowCache`) the numbers
-are the modules' own, bit for bit (to fp32 rounding where MKL's AVX2 kernels multiply a stacked copy); rows of
-one shared prompt attend to it once (`SharedPromptCache`), equal to rounding (tests compare both with the module
-path).
+(`stacked_lora_product`). With fp32 hidden states on CPU, where Bios's C kernels are built, each residual add
+with the next RMSNorm, the rotation and SwiGLU are one C call each (`bios.kernels.decode_ops`: small PyTorch ops
+run cold between a decode step's weight products; SmolLM2 fp32, 16 x 64: 46 -> 40 ms a step). Where each row
+keeps its own copy of its prompt (`decode_cache.RowCache`) the numbers are the modules' own, bit for bit on
+PyTorch's ops (to fp32 rounding where MKL's AVX2 kernels multiply a stacked copy, or where the C ops sum in
+another order); rows of one shared prompt attend to it once (`SharedPromptCache`), equal to rounding (tests
+compare both with the module path).
 
 It applies to Llama, Mistral, Qwen2 and Qwen3 text models whose decoder layers are the stock ones (the classes
 `fuse_llama_modules` fuses), with fused kernels on (`BIOS_KERNELS`), a prefill cache of plain full-attention
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bios.kernels.decode_ops import DecodeOps
 from bios.kernels.norms import rms_norm, swiglu_value
 from bios.worker.compute_mode import kernels_enabled
 from bios.worker.decode_cache import decode_caches
@@ -63,6 +67,8 @@ class LlamaDecodeStep:
         self._scaling = first.scaling
         self._query_heads = layers[0].qkv.outs[0] // self._head_dim
         self._intermediate = layers[0].gate_up.outs[0]
+        embedding = self._model.embed_tokens.weight
+        self._ops = DecodeOps.for_hidden(embedding.dtype, embedding.device) or _TorchOps()
 
     @classmethod
     def for_model(cls, model: nn.Module, prefill, expand: Tensor, steps: int, dtype: torch.dtype
@@ -90,28 +96,54 @@ class LlamaDecodeStep:
     def __call__(self, tokens: Tensor, positions: Tensor, attention_mask: Tensor | None) -> Tensor:
         """tokens [rows], positions [rows] (each row's position of its token), attention_mask [rows, cached + 1]
         (1 attends) or None (every position) -> [rows, hidden]."""
-        model = self._model
+        model, ops = self._model, self._ops
         hidden = model.embed_tokens(tokens)
         cos, sin = model.rotary_emb(hidden, positions[:, None])  # [rows, 1, head_dim]
         half = self._head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs, for `_rotate`
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs, for `rotate`
         heads, intermediate = self._query_heads, self._intermediate
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         rows = tokens.shape[0]
+        pending = None  # the last layer's MLP output, added to `hidden` with the next norm
         for layer, cache in zip(self._layers, self._caches):
-            qkv = layer.qkv(_norm(layer.input_norm, hidden)).view(rows, -1, self._head_dim)
+            qkv = layer.qkv(_add_norm(ops, hidden, pending, layer.input_norm)).view(rows, -1, self._head_dim)
             kv_heads = (qkv.shape[1] - heads) // 2
             if layer.query_norm is None:  # query and key heads side by side: one rotation
-                rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+                rotated = ops.rotate(qkv[:, : heads + kv_heads], cos, sin)
                 query, key = rotated[:, :heads], rotated[:, heads:]
             else:
-                query = _rotate(_norm(layer.query_norm, qkv[:, :heads]), cos, sin)
-                key = _rotate(_norm(layer.key_norm, qkv[:, heads : heads + kv_heads]), cos, sin)
+                query = ops.rotate(_norm(layer.query_norm, qkv[:, :heads]), cos, sin)
+                key = ops.rotate(_norm(layer.key_norm, qkv[:, heads : heads + kv_heads]), cos, sin)
             value = qkv[:, heads + kv_heads :]
-            hidden = hidden + layer.o(cache.attend(layer.attention, query, key, value, mask, self._scaling))
-            gate_up = layer.gate_up(_norm(layer.post_norm, hidden))
-            hidden = hidden + layer.down(swiglu_value(gate_up[:, :intermediate], gate_up[:, intermediate:]))
-        return _norm(model.norm, hidden)
+            attended = cache.attend(layer.attention, query, key, value, mask, self._scaling)
+            gate_up = layer.gate_up(_add_norm(ops, hidden, layer.o(attended), layer.post_norm))
+            pending = layer.down(ops.swiglu(gate_up, intermediate))
+        return _add_norm(ops, hidden, pending, model.norm)
+
+
+class _TorchOps:
+    """`DecodeOps`' interface on PyTorch's ops: what runs where Bios's C kernels do not (bf16, GPUs, no compiler)."""
+
+    @staticmethod
+    def add_rms_norm(hidden: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, weight, eps)
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        """RoPE as Transformers' `apply_rotary_pos_emb` computes it, x·cos + rotate_half(x)·sin, bit for bit:
+        rotate_half(x)·sin is x's halves swapped times sin with its first half negated (`signed_sin`)."""
+        return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+
+    @staticmethod
+    def swiglu(gate_up: Tensor, intermediate: int) -> Tensor:
+        return swiglu_value(gate_up[:, :intermediate], gate_up[:, intermediate:])
+
+
+def _add_norm(ops: DecodeOps | _TorchOps, hidden: Tensor, delta: Tensor | None, norm: nn.Module) -> Tensor:
+    """`hidden += delta` (the residual), then `norm`'s RMSNorm of it."""
+    return ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
 
 
 class _Projections:
@@ -144,12 +176,6 @@ class _Projections:
 
 def _norm(module: nn.Module, x: Tensor) -> Tensor:
     return rms_norm(x, module.weight, module.variance_epsilon)
-
-
-def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """RoPE as Transformers' `apply_rotary_pos_emb` computes it, x·cos + rotate_half(x)·sin, bit for bit:
-    rotate_half(x)·sin is x's halves swapped times sin with its first half negated (`signed_sin`)."""
-    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
 
 
 def _layer_parts(layer: nn.Module, longest: int) -> _Layer | None:

@@ -13,37 +13,6 @@
 
 #include "vec.h"
 
-static inline vec blend(ivec mask, vec yes, vec no) {
-  ivec a, b;
-  memcpy(&a, &yes, sizeof a);
-  memcpy(&b, &no, sizeof b);
-  a = (a & mask) | (b & ~mask);
-  memcpy(&yes, &a, sizeof yes);
-  return yes;
-}
-
-static inline vec vexp(vec x) {
-  const vec hi = (vec){0} + 88.3762626647949f, lo = (vec){0} - 88.3762626647949f;
-  x = blend(x > hi, hi, x);
-  x = blend(x < lo, lo, x);
-  vec fx = x * 1.44269504088896341f + 0.5f;
-  vec nf = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec); /* toward zero, then down: floor */
-  nf += __builtin_convertvector(nf > fx, vec);                              /* (a true comparison is -1) */
-  ivec n = __builtin_convertvector(nf, ivec);
-  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vec z = x * x;
-  vec y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  ivec scale = (n + 127) << 23;
-  vec pow2n;
-  memcpy(&pow2n, &scale, sizeof pow2n);
-  return y * pow2n;
-}
-
 static inline float dot(const float* a, const float* b, int d) {
   float sum = 0.0f;
   #pragma omp simd reduction(+ : sum)

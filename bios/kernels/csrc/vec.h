@@ -1,9 +1,45 @@
 /* What Bios's C kernels share: the vector type of the instruction set they are built for (VW floats: 16 with
- * AVX-512, 8 with AVX2; -DVW=... from bios/kernels/c_kernels.py). */
+ * AVX-512, 8 with AVX2; -DVW=... from bios/kernels/c_kernels.py) and a vectorized exp. */
 #ifndef BIOS_VEC_H
 #define BIOS_VEC_H
 
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
+
+#include <string.h>
+
+static inline vec blend(ivec mask, vec yes, vec no) {
+  ivec a, b;
+  memcpy(&a, &yes, sizeof a);
+  memcpy(&b, &no, sizeof b);
+  a = (a & mask) | (b & ~mask);
+  memcpy(&yes, &a, sizeof yes);
+  return yes;
+}
+
+/* exp(x) lane by lane: Cephes' polynomial, as PyTorch's and Eigen's vectorized exp are. x is clamped to
+ * [-87, 88], where 2^n stays a normal float: exp(-87) = 1.6e-38 stands for anything smaller (a softmax weight or a
+ * silu's exp(-g) that small adds nothing), exp(88) = 1.7e38 for anything larger. */
+static inline vec vexp(vec x) {
+  const vec hi = (vec){0} + 88.0f, lo = (vec){0} - 87.0f;
+  x = blend(x > hi, hi, x);
+  x = blend(x < lo, lo, x);
+  vec fx = x * 1.44269504088896341f + 0.5f;
+  vec nf = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec); /* toward zero, then down: floor */
+  nf += __builtin_convertvector(nf > fx, vec);                              /* (a true comparison is -1) */
+  ivec n = __builtin_convertvector(nf, ivec);
+  x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vec z = x * x;
+  vec y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  ivec scale = (n + 127) << 23;
+  vec pow2n;
+  memcpy(&pow2n, &scale, sizeof pow2n);
+  return y * pow2n;
+}
 
 #endif
