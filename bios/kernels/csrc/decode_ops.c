@@ -62,11 +62,8 @@ void bios_swiglu(const float* gate_up, long ld, float* out, int rows, int n) {
     float* o = out + (long)r * n;
     int i = 0;
     for (; i + VW <= n; i += VW) {
-      vec g, u;
-      memcpy(&g, gate + i, sizeof g);
-      memcpy(&u, up + i, sizeof u);
-      vec y = g / (1.0f + vexp(-g)) * u;
-      memcpy(o + i, &y, sizeof y);
+      vec g = vload(gate + i);
+      vstore(o + i, g / (1.0f + vexp(-g)) * vload(up + i));
     }
     for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
   }

@@ -6,16 +6,12 @@
 typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int ivec __attribute__((vector_size(VW * 4), aligned(4)));
 
-#include <string.h>
+/* Loads and stores of VW floats at any float alignment (the vector type is aligned to 4 bytes). */
+static inline vec vload(const float* p) { return *(const vec*)p; }
+static inline void vstore(float* p, vec v) { *(vec*)p = v; }
 
-static inline vec blend(ivec mask, vec yes, vec no) {
-  ivec a, b;
-  memcpy(&a, &yes, sizeof a);
-  memcpy(&b, &no, sizeof b);
-  a = (a & mask) | (b & ~mask);
-  memcpy(&yes, &a, sizeof yes);
-  return yes;
-}
+/* Lanes of `yes` where `mask` is set (-1, as comparisons give), else of `no`. A vector cast keeps the bits. */
+static inline vec blend(ivec mask, vec yes, vec no) { return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
 
 /* exp(x) lane by lane: Cephes' polynomial, as PyTorch's and Eigen's vectorized exp are. x is clamped to
  * [-87, 88], where 2^n stays a normal float: exp(-87) = 1.6e-38 stands for anything smaller (a softmax weight or a
@@ -36,10 +32,7 @@ static inline vec vexp(vec x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  ivec scale = (n + 127) << 23;
-  vec pow2n;
-  memcpy(&pow2n, &scale, sizeof pow2n);
-  return y * pow2n;
+  return y * (vec)((n + 127) << 23); /* 2^n, built in the exponent bits */
 }
 
 #endif
