@@ -4,8 +4,6 @@ why), so their callers keep PyTorch's ops."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
@@ -22,7 +20,7 @@ def _fresh(monkeypatch, tmp_path):
     c_kernels._loaded.cache_clear()
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
+@pytest.mark.skipif(c_kernels.c_compiler() is None, reason="no C compiler here")
 def test_the_kernels_are_built_once_into_the_bios_cache(tmp_path, monkeypatch):
     kernels = c_kernels.c_kernels()
     assert kernels is not None and kernels.width in (8, 16)

@@ -5,8 +5,6 @@ once, rows with no own positions yet, and a bf16 query; None where the kernels a
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from bios.kernels import c_kernels
 from bios.kernels.decode_attention import cascade_attention_kernel
 from bios.worker.decode_cache import cascade_attention
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
                                 reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
 
 

@@ -4,8 +4,6 @@ the lean decode step takes them only for fp32 hidden states on CPU where Bios's 
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from bios.kernels.decode_ops import DecodeOps
 from bios.kernels.norms import rms_norm, swiglu_value
 from bios.worker.llama_decode import _TorchOps
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
                                 reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
 
 

@@ -5,8 +5,6 @@ copies are MKL's or oneDNN's as before."""
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from bios.kernels.frozen_matmul import frozen_linear, merged_product, stacked_we
 from bios.kernels.prepacked import LoraUpdate, MklPack, PrepackedWeights, prepacked, prepacked_stack
 from bios.kernels.row_gemm import RowGemmPack
 
-needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+needs_compiler = pytest.mark.skipif(c_kernels.c_compiler() is None,
                                     reason="no C compiler here: the row kernel is not built (its fallback is tested)")
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bios.exceptions import BadRequestError
+from bios.kernels.c_kernels import c_compiler
 from bios.models.builtin import byte_level_tokenizer
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.types import BaseModelInfo, Datum, LoraConfig, ModelInput, SamplingParams
@@ -372,7 +371,7 @@ def test_long_decodes_of_one_adapters_rows_run_through_merged_copies_with_the_sa
     assert not holds_merged_copy(keeper)  # too few steps to repay them
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler: no row kernel here")
+@pytest.mark.skipif(c_compiler() is None, reason="no C compiler: no row kernel here")
 @pytest.mark.parametrize("with_adapter", [True, False])
 def test_decodes_of_5_to_32_rows_multiply_by_row_kernel_packs_with_the_same_results(model, tokenizer, with_adapter,
                                                                                     monkeypatch):

@@ -59,6 +59,11 @@ def c_kernels_setting() -> str:
     return value
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: `$CC`, else `cc`, if it is on PATH."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 def c_kernels() -> CKernels | None:
     """The built kernels where the setting allows them and they build here, else None."""
     return None if c_kernels_setting() == "off" else _loaded()
@@ -90,7 +95,7 @@ def _loaded() -> CKernels | None:
 def _build(width: int, isa: list[str]) -> Path:
     """The shared library of every `csrc/*.c` for this width and these flags, compiled now unless the cache has
     it. Several workers may build at once: each compiles to a private file and renames it into place."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_compiler()
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)")
     flags = ["-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", f"-DVW={width}", *isa]

@@ -4,8 +4,8 @@
 `BIOS_KERNELS` (default on) decides at every call whether the worker's layers run `bios.kernels` or the
 stock Transformers/PyTorch ops (and at every sampling call whether a Llama-family decode runs the lean step of
 `bios.worker.llama_decode` or the model's own modules); `BIOS_PACKING` (default on) whether a training pass
-packs its rows end to end (`bios.worker.packing`) or pads them to the longest. Both are read per call rather than once so one process
-can compare both paths. (`BIOS_GEMM`, which GEMM library fp32 matmuls on CPU use, is read by the kernels
+packs its rows end to end (`bios.worker.packing`) or pads them to the longest. Both are read per call rather
+than once so one process can compare both paths. (`BIOS_GEMM`, which GEMM library fp32 matmuls on CPU use, is read by the kernels
 themselves: `bios.kernels.frozen_matmul`.)
 
 `BIOS_BASE_DTYPE` is read when a base model is prepared (`attach_lora`). `float32` or `bfloat16` stores the

@@ -12,8 +12,8 @@ Two layouts, picked from how the batch's rows share prompts:
   scores against the shared prompt come from one product for all rows, the scores against its own positions from
   its own, one softmax over both, and the two weighted sums of values added. The same arithmetic as attending
   over the concatenation, in another order (agrees to rounding); in one C call a layer where Bios's C kernels
-  are built (`bios.kernels.decode_attention`: 7.6 -> 4.6 ms of SmolLM2's step). SmolLM2 fp32, 16 x 64 of a 50-token prompt
-  (Intel Xeon, 2 threads): 56.5 -> 54.8 ms a step, and no 16 copies of the prompt to make. On a GPU the step is
+  are built (`bios.kernels.decode_attention`: 7.6 -> 4.6 ms of SmolLM2's step). SmolLM2 fp32, 16 x 64 of a
+  50-token prompt (Intel Xeon, 2 threads): 56.5 -> 54.8 ms a step, and no 16 copies of the prompt to make. On a GPU the step is
   bound by kernel launches rather than memory, so rows keep their own copies there and attend in one SDPA
   kernel instead of the cascade's dozen small ones.
 
