@@ -5,6 +5,7 @@ rows on `keep_rows`."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
@@ -18,11 +19,12 @@ class ModuleDecodeStep:
     """A decode step through the model's own modules and Transformers' cache (expanded to one row per sample, with
     room reserved): every model the lean step does not compute."""
 
-    def __init__(self, model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int) -> None:
+    def __init__(self, model: nn.Module, cache: DynamicCache, expand: Tensor, steps: int, dtype: torch.dtype
+                 ) -> None:
+        """`dtype`: what Bios's attention reads the cache in (`cpu_attention.cache_dtype`), where it runs."""
         self._model, self._cache = model, cache
         cache.reorder_cache(expand)
-        dtype = model.get_input_embeddings().weight.dtype
-        reserve_decode_room(cache, steps, cache_dtype(dtype, expand.device) if runs_bios_attention(model) else None)
+        reserve_decode_room(cache, steps, dtype if runs_bios_attention(model) else None)
 
     def keep_rows(self, rows: Tensor) -> None:
         self._cache.reorder_cache(rows)
@@ -41,6 +43,6 @@ def decode_step(model: nn.Module, cache: DynamicCache, expand: Tensor, steps: in
                 ) -> LlamaDecodeStep | ModuleDecodeStep:
     """The forward of `steps` decode steps after the prefill `cache` (one row per prompt; row i of the decode
     continues prompt `expand[i]`)."""
-    dtype = model.get_input_embeddings().weight.dtype
-    lean = LlamaDecodeStep.for_model(model, cache, expand, steps, cache_dtype(dtype, expand.device))
-    return lean if lean is not None else ModuleDecodeStep(model, cache, expand, steps)
+    dtype = cache_dtype(model.get_input_embeddings().weight.dtype, expand.device)
+    lean = LlamaDecodeStep.for_model(model, cache, expand, steps, dtype)
+    return lean if lean is not None else ModuleDecodeStep(model, cache, expand, steps, dtype)
