@@ -3,7 +3,8 @@
 A decode step's few rows leave PyTorch's and MKL's kernels short of the machine: its weight products stream
 weights at about half of what the cores read (`row_gemm`), its attention is a dozen small ops a layer
 (`decode_attention`), and its norms, RoPE and SwiGLU are more small ops, each run with cold caches
-(`decode_ops`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
+(`decode_ops`). A training pass's fp32 SwiGLU and RMSNorm, forward and backward, are several passes over
+activation-sized tensors each in PyTorch's ops and one here (`csrc/training_ops.c`, called by `norms`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
 so one source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP, AVX-512 or AVX2+FMA
 as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
 `<bios cache>/kernels/`, keyed by the sources and flags, once per machine. Without a compiler, on other CPUs, or
@@ -42,7 +43,10 @@ _SIGNATURES = {
     "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
     "bios_add_rms_norm": [_p, _l, _p, _l, _p, _p, _l, _i, _i, _f],
     "bios_rotate": [_p, _l, _i, _i, _i, _p, _p],
-    "bios_swiglu": [_p, _l, _p, _i, _i],
+    "bios_swiglu": [_p, _l, _p, _i, _i, _i],
+    "bios_swiglu_backward": [_p, _l, _p, _l, _p, _l, _i, _i, _i],
+    "bios_rms_norm_forward": [_p, _l, _p, _p, _l, _p, _i, _i, _f, _i],
+    "bios_rms_norm_backward": [_p, _p, _p, _p, _p, _p, _i, _i, _i],
 }
 
 
@@ -52,7 +56,7 @@ class CKernels(NamedTuple):
 
 
 def c_kernels_setting() -> str:
-    """`BIOS_C_KERNELS` (unset: "auto"): whether decode steps may use the C kernels."""
+    """`BIOS_C_KERNELS` (unset: "auto"): whether decode steps and training passes may use the C kernels."""
     value = os.environ.get("BIOS_C_KERNELS", "").strip().lower() or "auto"
     if value not in ("auto", "off"):
         raise ValueError(f"BIOS_C_KERNELS must be 'auto' or 'off' (unset: auto), got {value!r}")
@@ -73,22 +77,24 @@ def c_kernels() -> CKernels | None:
 def _loaded() -> CKernels | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _ISA_FLAGS:
-        log.info("decode steps keep PyTorch's ops: Bios's C kernels need an x86 CPU with AVX2 (this is %s, "
-                 "PyTorch's capability %s)", platform.machine(), capability)
+        log.info("decode steps and training passes keep PyTorch's ops: Bios's C kernels need an x86 CPU with AVX2 "
+                 "(this is %s, PyTorch's capability %s)", platform.machine(), capability)
         return None
     width, isa = _ISA_FLAGS[capability]
     try:
         path = _build(width, isa)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
-        log.warning("decode steps keep PyTorch's ops: could not build bios/kernels/csrc (%s)", error)
+        log.warning("decode steps and training passes keep PyTorch's ops: could not build bios/kernels/csrc (%s)",
+                    error)
         return None
     if library.bios_vector_width() != width:
         raise RuntimeError(f"bios/kernels/csrc built for {library.bios_vector_width()} floats, expected {width}")
     for name, arguments in _SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = None, arguments
-    log.info("decode steps use Bios's C kernels (%s, %d-float vectors): %s", capability, width, path)
+    log.info("decode steps and training passes use Bios's C kernels (%s, %d-float vectors): %s", capability, width,
+             path)
     return CKernels(library, width)
 
 

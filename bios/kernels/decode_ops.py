@@ -60,7 +60,7 @@ class DecodeOps:
         _check(gate_up)
         rows = gate_up.shape[0]
         out = gate_up.new_empty(rows, intermediate)
-        self._library.bios_swiglu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, intermediate)
+        self._library.bios_swiglu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, intermediate, 1)
         return out
 
 

@@ -70,8 +70,10 @@ def _onednn(device: torch.device, dtype: torch.dtype, rows: int, weight_elements
     """Whether a product of `rows` rows by a weight of `weight_elements` goes to oneDNN (see the module docstring
     and the notes above); `wide_into_buffer`: the weight has `_WIDE_OUT`+ output features and the result goes
     into a caller's buffer."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
     setting = gemm_backend()
-    if setting == "aten" or device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if setting == "aten" or not torch.backends.mkldnn.is_available():
         return False
     if setting == "onednn":
         return True

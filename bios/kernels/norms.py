@@ -6,7 +6,12 @@ hand-written Function that saves `x` and the per-row inverse RMS only. Its forwa
 LlamaRMSNorm rounding (normalise in fp32, cast, then scale by the weight), so swapping it in changes no numbers.
 
 Autograd on `silu(gate) * up` saves gate, up and silu(gate); `swiglu` saves gate and up and recomputes the
-activation in backward.
+activation in backward. `swiglu_stacked` takes gate and up side by side, as one stacked layer computes them
+(`bios.kernels.stacked_lora`), and gives their gradients side by side, which that layer's backward takes whole;
+on fp32 CPU tensors it and RMSNorm run Bios's C kernels where they are built (`bios.kernels.c_kernels`), one
+pass over memory each way instead of three to six ops: SmolLM2's 512 tokens with AVX2 code on 2 threads (Intel
+Xeon), forward and backward of SwiGLU 1.2 against 2.8 ms, of RMSNorm 0.25 against 0.70 ms (each with its input's
+copy), fp32 rounding apart from PyTorch's ops (tests/test_training_ops.py).
 
 When no gradient is wanted (`grad_wanted`) both compute the same ops directly: the Function's call costs more
 than the norm of a decode step's few rows itself (75 vs 28 us for 16 x 576). An fp32 norm on CPU then calls
@@ -14,9 +19,12 @@ than the norm of a decode step's few rows itself (75 vs 28 us for 16 x 576). An 
 for 16 x 576; a decode step has two a layer).
 """
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
+from bios.kernels.c_kernels import c_kernels
 from bios.kernels.grad_wanted import grad_wanted
 
 
@@ -29,14 +37,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
     if not grad_wanted(x, weight):
-        if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
+        if _c_library(x, weight) is None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same ops in one call (its CPU forward composes them)
         return _rms_norm_forward(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the norm, the per-row inverse RMS) in Hugging Face's LlamaRMSNorm rounding."""
+    """(the norm, the per-row inverse RMS) in Hugging Face's LlamaRMSNorm rounding: Bios's C kernel for
+    contiguous fp32 CPU tensors where it is built (with or without a gradient, so a forward pass and a training
+    pass give the same numbers), else PyTorch's ops."""
+    library = _c_library(x, weight)
+    if library is not None:
+        n = x.shape[-1]
+        y, inv_rms = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
+        library.bios_rms_norm_forward(x.data_ptr(), n, weight.data_ptr(), y.data_ptr(), n, inv_rms.data_ptr(),
+                                      x.numel() // n, n, eps, torch.get_num_threads())
+        return y, inv_rms
     x32 = x.to(_compute_dtype(x.dtype))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
     return weight * (x32 * inv_rms).to(x.dtype), inv_rms
@@ -52,6 +69,15 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, inv_rms = ctx.saved_tensors
+        library = _c_library(x, weight, grad_y)
+        if library is not None:
+            n = x.shape[-1]
+            grad_x = torch.empty_like(x)
+            grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+            library.bios_rms_norm_backward(x.data_ptr(), weight.data_ptr(), inv_rms.data_ptr(), grad_y.data_ptr(),
+                                           grad_x.data_ptr(), None if grad_weight is None else grad_weight.data_ptr(),
+                                           x.numel() // n, n, torch.get_num_threads())
+            return grad_x if ctx.needs_input_grad[0] else None, grad_weight, None
         dtype = _compute_dtype(x.dtype)
         x_hat = x.to(dtype) * inv_rms
         grad_times_x_hat = (grad_y * x_hat.to(x.dtype)).to(dtype)
@@ -100,3 +126,59 @@ class _SwiGLU(torch.autograd.Function):
             grad_gate = grad_y * up
             torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_gate, grad_up
+
+
+def swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2n], gate then up side by side; recomputes silu(gate) in backward, and
+    gives the gradient of gate_up as one tensor."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_stacked: gate_up must hold gate and up side by side, got {tuple(gate_up.shape)}")
+    if not grad_wanted(gate_up):
+        return swiglu_stacked_value(gate_up)
+    return _StackedSwiGLU.apply(gate_up)
+
+
+def swiglu_stacked_value(gate_up: torch.Tensor) -> torch.Tensor:
+    """`swiglu_stacked`'s forward without autograd, bit for bit."""
+    library = _c_library(gate_up)
+    with torch.no_grad():
+        if library is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate).mul_(up)
+        n = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], n)
+        library.bios_swiglu(gate_up.data_ptr(), 2 * n, out.data_ptr(), gate_up.numel() // (2 * n), n,
+                            torch.get_num_threads())
+        return out
+
+
+def _c_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """Bios's C kernels for these tensors: contiguous fp32 on CPU, where the kernels are built; else None."""
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return None
+    kernels = c_kernels()
+    return None if kernels is None else kernels.library
+
+
+class _StackedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return swiglu_stacked_value(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (gate_up,) = ctx.saved_tensors
+        grad = torch.empty_like(gate_up)
+        library = _c_library(gate_up, grad_y)
+        n = gate_up.shape[-1] // 2
+        if library is not None:
+            library.bios_swiglu_backward(gate_up.data_ptr(), 2 * n, grad_y.data_ptr(), n, grad.data_ptr(), 2 * n,
+                                         gate_up.numel() // (2 * n), n, torch.get_num_threads())
+            return grad
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate, grad_up = grad.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), grad_y, out=grad_up)
+        torch.mul(grad_y, up, out=grad_gate)  # then silu's backward, as autograd through `silu(gate) * up` rounds
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad

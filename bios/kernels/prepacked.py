@@ -232,6 +232,11 @@ class _Held:
 _ACTIVE: ContextVar[PrepackedWeights | None] = ContextVar("bios_prepacked_weights", default=None)
 
 
+def prepacking() -> bool:
+    """Whether a `PrepackedWeights.using()` block is active here (a decode step's products take copies)."""
+    return _ACTIVE.get() is not None
+
+
 def prepack_setting() -> str:
     """`BIOS_PREPACK` (unset: "auto"): whether decode steps multiply by prepacked copies of frozen weights."""
     value = os.environ.get("BIOS_PREPACK", "").strip().lower() or "auto"

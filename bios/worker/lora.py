@@ -200,12 +200,16 @@ class LoraLinear(nn.Linear):
 
     lora_segments: list[LoraSegment]
     bios_rows_per_item: int | None = None  # set by `_record_rows_per_item` inside decoder layers
+    bios_handed: tuple[Tensor, Tensor] | None = None  # (input, output) computed with others (`stacked_layers`)
 
     def forward(self, x: Tensor, target_ids: Tensor | None = None, token_weights: Tensor | None = None):
         """Outputs [..., out]; given `target_ids` [T] for x [T, in] (an output head), only the log-prob of
         each row's target instead, [T] fp32, without the whole [T, vocab] logits (`lora_target_logprobs`);
         given `token_weights` [T] too, those log-probs and their cross-entropy (`lora_target_loss`).
         Called as a module either way, so hooks on the head see the call."""
+        handed = self.bios_handed
+        if handed is not None and handed[0] is x:
+            return handed[1]
         if token_weights is not None:
             return lora_target_loss(x, self.weight, self.bias, self.lora_segments, target_ids, token_weights)
         if target_ids is not None:
@@ -271,7 +275,8 @@ def attach_lora(model: nn.Module) -> None:
     The layer's class is switched in place rather than the layer being wrapped, so parameter names (and
     therefore the base state dict and PEFT key names), tied weights and hooks are all unchanged. The model is
     put in eval mode: a frozen shared base has no use for dropout, and eval keeps forward passes deterministic.
-    Llama-family norms and MLPs get their `bios.kernels` forwards the same way (`fuse_llama_modules`). The
+    Llama-family norms, MLPs and attentions get their `bios.kernels` forwards the same way (`fuse_llama_modules`,
+    after the dtype below: it lays out projections that share an input end to end). The
     frozen floating-point parameters are stored in the dtype `base_dtype` picks for the model's device (bf16
     where the hardware multiplies it natively, unless `BIOS_BASE_DTYPE` says otherwise) and logged; buffers
     such as RoPE frequencies keep theirs and tied weights stay tied (being one parameter).
@@ -289,13 +294,13 @@ def attach_lora(model: nn.Module) -> None:
         module.lora_segments = []
         wrapped[target.module_name] = module
     _record_rows_per_item(model)
-    fuse_llama_modules(model)
     weights = model.get_input_embeddings().weight
     choice = base_dtype(weights.device)
     if choice.dtype is not None:
         for param in model.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(choice.dtype)
+    fuse_llama_modules(model)
     log.info("%s: frozen base weights in %s (%s); matmuls through %s", model.config.name_or_path or
              type(model).__name__, str(weights.dtype).removeprefix("torch."), choice.reason, gemm_library(weights))
     model.requires_grad_(False)
@@ -332,15 +337,16 @@ def active_adapters(model: nn.Module, segments: list[tuple[int, int, AdapterStat
                 f"{adapter.model_id} starts at row {start}"
             )
     saved = {name: module.lora_segments for name, module in wrapped.items()}
+    # object.__setattr__: a plain attribute needs none of nn.Module.__setattr__'s checks (~4 us each, 400+ a pass)
     try:
         for name, module in wrapped.items():
-            module.lora_segments = [
+            object.__setattr__(module, "lora_segments", [
                 LoraSegment(start, end, *(adapter.lora_pair(name) if factor_dtype is None
                                           else adapter.lora_pair_in(name, factor_dtype)), adapter.scale)
                 for start, end, adapter in ordered
                 if adapter.has_target(name)
-            ]
+            ])
         yield
     finally:
         for name, module in wrapped.items():
-            module.lora_segments = saved[name]
+            object.__setattr__(module, "lora_segments", saved[name])

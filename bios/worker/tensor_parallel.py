@@ -53,6 +53,7 @@ from bios.worker.expert_parallel import (
     split_experts,
     stored_name,
 )
+from bios.worker.fused_llama import fuse_llama_modules
 from bios.worker.lora import LoraLinear, attach_lora
 from bios.worker.targets import all_targets
 
@@ -194,6 +195,7 @@ def shard_model(model: nn.Module, rank: int, world: int, group: dist.ProcessGrou
     layers = model.config.get_text_config().num_hidden_layers
     if blocks != 2 * layers:
         raise ValueError(f"found {blocks} attention/MLP blocks in a {layers}-layer model; expected {2 * layers}")
+    fuse_llama_modules(model)  # the shards of projections that share an input laid out end to end again
     info = ShardInfo(rank, world, full_targets, kinds)
     setattr(model, _SHARD_FLAG, info)
     setattr(model, _GROUP_FLAG, binding)

@@ -54,8 +54,9 @@ void bios_rotate(float* x, long ld, int rows, int heads, int d, const float* cos
 #pragma GCC pop_options
 
 /* out[r] = silu(gate[r]) * up[r], gate and up the two halves of gate_up [rows][2 * n] (row stride ld): the SwiGLU
- * activation, silu(g) = g / (1 + exp(-g)). */
-void bios_swiglu(const float* gate_up, long ld, float* out, int rows, int n) {
+ * activation, silu(g) = g / (1 + exp(-g)), on `threads` threads (a decode step's few rows: 1). */
+void bios_swiglu(const float* gate_up, long ld, float* out, int rows, int n, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int r = 0; r < rows; r++) {
     const float* gate = gate_up + r * ld;
     const float* up = gate + n;

@@ -1,0 +1,88 @@
+/* A training pass's elementwise steps in fp32, one pass over memory each instead of several PyTorch ops (each a
+ * pass of its own over activation-sized tensors). Rows are many (a pass's tokens), split over PyTorch's threads.
+ * Built by bios/kernels/c_kernels.py. */
+#include "vec.h"
+
+/* The SwiGLU activation's gradient: from gate_up [rows][2n] (gate, then up; row stride ld) and grad_y [rows][n]
+ * (row stride ld_grad), grad [rows][2n] (row stride ld_out): d/dgate = grad_y·up·silu'(gate), d/dup =
+ * grad_y·silu(gate), with silu(g) = g·s, s = 1 / (1 + exp(-g)), silu'(g) = s·(1 + g·(1 - s)); on `threads`
+ * threads. */
+void bios_swiglu_backward(const float* gate_up, long ld, const float* grad_y, long ld_grad, float* grad, long ld_out,
+                          int rows, int n, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    const float* gate = gate_up + r * ld;
+    const float* up = gate + n;
+    const float* gy = grad_y + r * ld_grad;
+    float* grad_gate = grad + r * ld_out;
+    float* grad_up = grad_gate + n;
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+      vec g = vload(gate + i), gyv = vload(gy + i);
+      vec s = 1.0f / (1.0f + vexp(-g));
+      vstore(grad_up + i, gyv * (g * s));
+      vstore(grad_gate + i, gyv * vload(up + i) * (s * (1.0f + g * (1.0f - s))));
+    }
+    for (; i < n; i++) {
+      float g = gate[i], s = 1.0f / (1.0f + __builtin_expf(-g));
+      grad_up[i] = gy[i] * (g * s);
+      grad_gate[i] = gy[i] * up[i] * (s * (1.0f + g * (1.0f - s)));
+    }
+  }
+}
+
+/* RMSNorm forward: out[r] = weight · (x[r] / sqrt(mean(x[r]^2) + eps)), and inv_rms[r] = that 1 / sqrt(...), kept
+ * for backward; Hugging Face's rounding steps (normalise, then scale), the sum of squares in another order than
+ * PyTorch's. x and out [rows][n] (row strides ld, ld_out). */
+void bios_rms_norm_forward(const float* x, long ld, const float* weight, float* out, long ld_out, float* inv_rms,
+                           int rows, int n, float eps, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    const float* h = x + r * ld;
+    float squares = 0.0f;
+    #pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < n; i++) squares += h[i] * h[i];
+    float inverse = 1.0f / __builtin_sqrtf(squares / (float)n + eps);
+    inv_rms[r] = inverse;
+    float* o = out + r * ld_out;
+    #pragma omp simd
+    for (int i = 0; i < n; i++) o[i] = weight[i] * (h[i] * inverse);
+  }
+}
+
+/* RMSNorm backward, from x, inv_rms and grad_y [rows][n]: grad_x = inv_rms · (g - x̂ · mean(g · x̂)) with
+ * g = grad_y · weight and x̂ = x · inv_rms; and, if grad_weight is given, grad_weight = Σ_rows grad_y · x̂ (summed by
+ * column blocks, so no two threads write one sum). All rows have stride n. */
+void bios_rms_norm_backward(const float* x, const float* weight, const float* inv_rms, const float* grad_y,
+                            float* grad_x, float* grad_weight, int rows, int n, int threads) {
+  #pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    #pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+      const float* h = x + (long)r * n;
+      const float* gy = grad_y + (long)r * n;
+      float inverse = inv_rms[r], dot = 0.0f;
+      #pragma omp simd reduction(+ : dot)
+      for (int i = 0; i < n; i++) dot += gy[i] * weight[i] * (h[i] * inverse);
+      float projection = dot / (float)n;
+      float* gx = grad_x + (long)r * n;
+      #pragma omp simd
+      for (int i = 0; i < n; i++) gx[i] = (gy[i] * weight[i] - h[i] * inverse * projection) * inverse;
+    }
+    if (grad_weight) {
+      #pragma omp for schedule(static)
+      for (int start = 0; start < n; start += 64) {
+        int end = start + 64 < n ? start + 64 : n;
+        float sums[64] = {0};
+        for (int r = 0; r < rows; r++) {
+          const float* h = x + (long)r * n;
+          const float* gy = grad_y + (long)r * n;
+          float inverse = inv_rms[r];
+          #pragma omp simd
+          for (int i = start; i < end; i++) sums[i - start] += gy[i] * (h[i] * inverse);
+        }
+        for (int i = start; i < end; i++) grad_weight[i] = sums[i - start];
+      }
+    }
+  }
+}

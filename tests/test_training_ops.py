@@ -1,0 +1,73 @@
+"""A training pass's SwiGLU and RMSNorm in C (csrc/training_ops.c through bios.kernels.norms) for fp32 CPU tensors:
+forward and backward against float64 references and against PyTorch's ops (`BIOS_C_KERNELS=off`), the
+recomputed activation bit for bit the forward's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bios.kernels import c_kernels
+from bios.kernels.norms import rms_norm, swiglu, swiglu_stacked, swiglu_stacked_value
+
+pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
+                                reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernels(monkeypatch):
+    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
+    c_kernels._loaded.cache_clear()
+    yield
+    c_kernels._loaded.cache_clear()
+
+
+def _randn(*shape, seed, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def _relative(ours, reference):
+    return ((ours.double() - reference).abs().max() / reference.abs().max()).item()
+
+
+def _swiglu_grads(gate_up, grad_y):
+    inputs = gate_up.clone().requires_grad_()
+    y = swiglu_stacked(inputs)
+    y.backward(grad_y)
+    return y.detach(), inputs.grad
+
+
+@pytest.mark.parametrize("width", [1536, 37])  # a remainder past the last full vector
+def test_stacked_swiglu_matches_float64_and_pytorchs_ops(width, monkeypatch):
+    gate_up, grad_y = _randn(2, 40, 2 * width, seed=0, scale=4.0), _randn(2, 40, width, seed=1)
+    reference = _swiglu_grads(gate_up, grad_y)  # float64: PyTorch's ops
+    ours = _swiglu_grads(gate_up.float(), grad_y.float())
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")
+    theirs = _swiglu_grads(gate_up.float(), grad_y.float())
+    for mine, stock, exact in zip(ours, theirs, reference):
+        assert _relative(mine, exact) < 1e-6 and _relative(stock, exact) < 1e-6
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(theirs[0], swiglu(gate, up), rtol=0, atol=0)  # the split form's numbers
+
+
+def test_the_recomputed_activation_is_the_forwards_bit_for_bit():
+    gate_up = _randn(64, 2 * 96, seed=2).float().requires_grad_()
+    assert torch.equal(swiglu_stacked(gate_up).detach(), swiglu_stacked_value(gate_up))
+
+
+@pytest.mark.parametrize("weight_trains", [False, True])
+def test_rms_norm_matches_float64_and_pytorchs_ops(weight_trains, monkeypatch):
+    x, weight, grad_y = _randn(3, 50, 576, seed=3, scale=3.0), _randn(576, seed=4), _randn(3, 50, 576, seed=5)
+
+    def run(dtype):
+        inputs = x.to(dtype, copy=True).requires_grad_()
+        w = weight.to(dtype, copy=True).requires_grad_(weight_trains)
+        y = rms_norm(inputs, w, 1e-5)
+        y.backward(grad_y.to(dtype))
+        return (y.detach(), inputs.grad, *((w.grad,) if weight_trains else ()))
+
+    reference, ours = run(torch.float64), run(torch.float32)
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")
+    theirs = run(torch.float32)
+    for mine, stock, exact in zip(ours, theirs, reference):
+        assert _relative(mine, exact) < 2e-6 and _relative(stock, exact) < 2e-6
