@@ -24,6 +24,7 @@ from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
 from bios.worker.compute_mode import packing_enabled
 from bios.worker.custom_loss import CompiledLoss
+from bios.worker.factor_copies import FactorCopy, factor_copies
 from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 from bios.worker.packing import attention_pair_cost, pack_rows, packed_layout, packed_sequences
@@ -193,7 +194,8 @@ def _packs(model: nn.Module, reader: ImageReader | None) -> bool:
             and use_bios_attention(model))
 
 
-def _segments(sizes: list[int], adapters: list[AdapterState]) -> list[tuple[int, int, AdapterState]]:
+def _segments(sizes: list[int], adapters: list[AdapterState | FactorCopy]
+              ) -> list[tuple[int, int, AdapterState | FactorCopy]]:
     """[start, end) ranges of consecutive entries that share an adapter, over entries of the given sizes."""
     segments: list[tuple[int, int, AdapterState]] = []
     start = 0
@@ -216,12 +218,15 @@ def _run_pass(
     only its own row, so outputs do not depend on what else shares the batch. Only real positions go through
     the head.
     """
-    device = model.get_input_embeddings().weight.device
+    embeddings = model.get_input_embeddings().weight
+    device = embeddings.device
     lengths = [row.tokens.numel() for row in rows]
-    adapters = [row.adapter for row in rows]
+    copies = factor_copies([row.adapter for row in rows], embeddings.dtype) if backward else {}
+    adapters = [copies.get(id(row.adapter), row.adapter) for row in rows]  # what each row's LoRA layers take
     targets = torch.cat([row.targets for row in rows]).to(device)
     with torch.set_grad_enabled(backward):
-        hidden = _packed_hidden(model, rows, device) if packs else _padded_hidden(model, rows, reader, device)
+        hidden = (_packed_hidden(model, rows, adapters, device) if packs
+                  else _padded_hidden(model, rows, adapters, reader, device))
         token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
         head_loss = backward and all(weights is not None for weights in token_weights)
         with active_adapters(model, _segments(lengths, adapters)):
@@ -236,6 +241,8 @@ def _run_pass(
         stacked = torch.stack(losses)
         if backward:
             (total if head_loss else stacked.sum()).backward()
+            for copy in copies.values():
+                copy.add_grad()
     outputs = [lp.detach() if row.text_mask is None else lp.detach().masked_fill(~row.text_mask.to(lp.device), 0.0)
                for row, lp in zip(rows, per_row)]
     row_metrics = [{key: float(value.detach()) if isinstance(value, Tensor) else float(value)
@@ -243,9 +250,10 @@ def _run_pass(
     return outputs, stacked.detach().tolist(), row_metrics
 
 
-def _packed_hidden(model: nn.Module, rows: list[_Row], device: torch.device) -> Tensor:
-    """Final hidden states `[sum of row lengths, H]` of `rows` packed end to end, rows of one adapter together."""
-    adapters = [row.adapter for row in rows]
+def _packed_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterState | FactorCopy],
+                   device: torch.device) -> Tensor:
+    """Final hidden states `[sum of row lengths, H]` of `rows` packed end to end, rows of one adapter together;
+    `adapters`: each row's LoRA factors."""
     packed = pack_rows([row.tokens for row in rows], [id(adapter) for adapter in adapters],
                        attention_pair_cost(model.config))
     with active_adapters(model, _segments([1] * len(packed.owners), [adapters[i] for i in packed.owners])), \
@@ -255,7 +263,8 @@ def _packed_hidden(model: nn.Module, rows: list[_Row], device: torch.device) -> 
                                               use_cache=False).last_hidden_state)
 
 
-def _padded_hidden(model: nn.Module, rows: list[_Row], reader: ImageReader | None, device: torch.device) -> Tensor:
+def _padded_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterState | FactorCopy],
+                   reader: ImageReader | None, device: torch.device) -> Tensor:
     """Final hidden states `[sum of row lengths, H]` of `rows` right-padded to the longest: with a causal model
     real tokens never see the pads. The way for models that take images or cannot read packed positions."""
     lengths = [row.tokens.numel() for row in rows]
@@ -267,9 +276,8 @@ def _padded_hidden(model: nn.Module, rows: list[_Row], reader: ImageReader | Non
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
                                                           [row.images for row in rows])[0]
-    adapters = [row.adapter for row in rows]
     with active_adapters(model, _segments([1] * len(rows), adapters)), \
-            tower_adapters(model, [row.images for row in rows], adapters):
+            tower_adapters(model, [row.images for row in rows], [row.adapter for row in rows]):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                   **extra).last_hidden_state
     return hidden[attention_mask.bool()]
