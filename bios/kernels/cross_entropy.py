@@ -16,6 +16,7 @@ import torch
 
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
+from bios.kernels.lora import lora_b_grad
 
 _LOGITS_PER_CHUNK = 1 << 26  # 256 MiB of fp32 logits at most
 _MAX_ROWS_PER_CHUNK = 512  # enough rows that streaming the [V, H] head through the matmul is not the bottleneck
@@ -260,7 +261,7 @@ def _accumulate_grads_(grads, buffer, dlogits, h, weight, lora_a, lora_b, lora_s
         if grad_a is not None:
             grad_a.add_(g_b.T @ h, alpha=lora_scale)
     if grad_b is not None:
-        grad_b.add_(dlogits.T @ (h @ a.T), alpha=lora_scale)
+        grad_b.add_(lora_b_grad(dlogits, h @ a.T), alpha=lora_scale)
 
 
 def _chunk_backward_(buffer, grads, grad_logprobs, h, weight, targets, lse, lora_a, lora_b, lora_scale) -> None:

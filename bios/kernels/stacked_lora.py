@@ -19,6 +19,7 @@ from torch import Tensor
 
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
+from bios.kernels.lora import lora_b_grad
 
 
 def end_to_end(tensors: list[Tensor]) -> Tensor | None:
@@ -135,7 +136,7 @@ class _StackedLoraLinear(torch.autograd.Function):
             ranks = [b.shape[1] for b in bs]
             grad_factors.extend(grad_a.split(ranks))
             rank_starts = [0, *accumulate(ranks)]
-            grad_factors.extend((g[:, columns[m]].T @ xa[:, r0:r1]).mul_(scale)
+            grad_factors.extend(lora_b_grad(g[:, columns[m]], xa[:, r0:r1]).mul_(scale)
                                 for m, r0, r1 in zip(members, rank_starts, rank_starts[1:]))
         grad_factors = [g.to(dtype) if need else None
                         for g, dtype, need in zip(grad_factors, ctx.factor_dtypes, ctx.needs_input_grad[5:])]
