@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import bios  # noqa: E402
 from bios import types  # noqa: E402
+from bios.kernels import c_kernels  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -38,6 +39,20 @@ COOKBOOK_MODEL = "Qwen/Qwen3-8B-Base"  # a name tinker-cookbook knows (role_colo
 def pytest_sessionfinish(session, exitstatus):
     if _PRIVATE_CACHE:
         shutil.rmtree(os.environ["BIOS_CACHE_DIR"], ignore_errors=True)
+
+
+# Tests of Bios's C kernels themselves skip where no C compiler builds them (their fallback: test_c_kernels.py).
+needs_c_kernels = pytest.mark.skipif(c_kernels.c_compiler() is None,
+                                     reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
+
+
+@pytest.fixture
+def fresh_c_kernels(monkeypatch):
+    """Bios's C kernels on (`BIOS_C_KERNELS` unset), loaded afresh for the test and again for the next one."""
+    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
+    c_kernels._loaded.cache_clear()
+    yield
+    c_kernels._loaded.cache_clear()
 
 
 def text_datum(text: str, weight: float = 1.0) -> types.Datum:

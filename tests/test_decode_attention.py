@@ -8,21 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_c_kernels
 
-from bios.kernels import c_kernels
 from bios.kernels.decode_attention import cascade_attention_kernel
 from bios.worker.decode_cache import cascade_attention
 
-pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
-                                reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
-
-
-@pytest.fixture(autouse=True)
-def _kernels_on(monkeypatch):
-    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
-    c_kernels._loaded.cache_clear()
-    yield
-    c_kernels._loaded.cache_clear()
+pytestmark = [needs_c_kernels, pytest.mark.usefixtures("fresh_c_kernels")]
 
 
 def _inputs(rows, heads, kv_heads, width, prompt, own, room, seed=0):

@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_c_kernels
 
-from bios.kernels import c_kernels
 from bios.kernels.decode_ops import DecodeOps
 from bios.kernels.norms import rms_norm, swiglu_value
 from bios.worker.llama_decode import _TorchOps
 
-pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
-                                reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
+pytestmark = needs_c_kernels
 
 
 @pytest.fixture
-def ops(monkeypatch):
-    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
-    c_kernels._loaded.cache_clear()
-    yield DecodeOps.for_hidden(torch.float32, torch.device("cpu"))
-    c_kernels._loaded.cache_clear()
+def ops(fresh_c_kernels):
+    return DecodeOps.for_hidden(torch.float32, torch.device("cpu"))
 
 
 def _randn(*shape, seed=0):

@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_c_kernels
 
-from bios.kernels import c_kernels
 from bios.kernels.norms import rms_norm, swiglu, swiglu_stacked, swiglu_stacked_value
 
-pytestmark = pytest.mark.skipif(c_kernels.c_compiler() is None,
-                                reason="no C compiler here: no C kernels (their fallback: tests/test_c_kernels.py)")
-
-
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    monkeypatch.delenv("BIOS_C_KERNELS", raising=False)
-    c_kernels._loaded.cache_clear()
-    yield
-    c_kernels._loaded.cache_clear()
+pytestmark = [needs_c_kernels, pytest.mark.usefixtures("fresh_c_kernels")]
 
 
 def _randn(*shape, seed, scale=1.0):
