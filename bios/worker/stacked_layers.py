@@ -73,9 +73,9 @@ def stacked_output(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor | None
         return None
     weight = end_to_end([layer.weight for layer in projections])
     biases = [layer.bias for layer in projections]
-    bias = None if all(b is None for b in biases) else end_to_end(biases) if all(b is not None for b in biases) \
-        else None
-    if weight is None or weight.requires_grad or (bias is None and any(b is not None for b in biases)):
+    has_bias = [b is not None for b in biases]
+    bias = end_to_end(biases) if all(has_bias) else None
+    if weight is None or weight.requires_grad or (any(has_bias) and bias is None):
         return None
     adapters = _adapter_rows(segments)
     if adapters is None:
