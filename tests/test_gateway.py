@@ -111,14 +111,16 @@ def test_training_through_the_gateway_equals_the_native_sdk(tinker_service, nati
     for loss_fn, config in STEPS:
         fwd = tc.forward_backward(tinker_batch(loss_fn), loss_fn, config)
         opt = tc.optim_step(tt.AdamParams(learning_rate=LR))
+        # Each client's step done before the other's starts: another adapter's rows in the same pass can change
+        # how the pass is packed and split, and so the rounding (~1e-7), which Adam steps grow past 1e-5
+        out, opt_metrics = fwd.result(60), opt.result(60).metrics
         native_fwd = nc.forward_backward(native_batch(loss_fn), loss_fn, config).result(60)
         native_opt = nc.optim_step(bt.AdamParams(learning_rate=LR)).result(60)
-        out = fwd.result(60)
         assert_tinker_metric_keys(out.metrics)
         assert out.metrics["loss:sum"] == pytest.approx(native_fwd.loss, rel=1e-5), loss_fn
         for ours, theirs in zip(logprobs_of(out), logprobs_of(native_fwd), strict=True):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
-        assert opt.result(60).metrics == pytest.approx(native_opt.metrics, rel=1e-5)
+        assert opt_metrics == pytest.approx(native_opt.metrics, rel=1e-5)
     final = tc.forward(tinker_batch("cross_entropy"), "cross_entropy").result(60)
     native_final = nc.forward(native_batch("cross_entropy"), "cross_entropy").result(60)
     assert final.metrics["loss:sum"] == pytest.approx(native_final.loss, rel=1e-5)
