@@ -4,13 +4,14 @@ A decode step's few rows leave PyTorch's and MKL's kernels short of the machine:
 weights at about half of what the cores read (`row_gemm`), its attention is a dozen small ops a layer
 (`decode_attention`), and its norms, RoPE and SwiGLU are more small ops, each run with cold caches
 (`decode_ops`). A training pass's fp32 SwiGLU and RMSNorm, forward and backward, are several passes over
-activation-sized tensors each in PyTorch's ops and one here (`csrc/training_ops.c`, called by `norms`). The C here is small, plain and vectorized with GCC's vector extensions for the CPU's width,
-so one source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP, AVX-512 or AVX2+FMA
-as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
+activation-sized tensors each in PyTorch's ops and one here (`csrc/training_ops.c`, called by `norms`). The C
+here is small, plain and vectorized with GCC's vector extensions (which clang shares) for the CPU's width, so one
+source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP with GCC, AVX-512 or
+AVX2+FMA as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
 `<bios cache>/kernels/`, keyed by the sources and flags, once per machine. Without a compiler, on other CPUs, or
 with `BIOS_C_KERNELS=off`, nothing changes: callers keep PyTorch's ops (the worker logs why once). The library's
 OpenMP is PyTorch's: loaded after torch, its `libgomp.so.1` resolves to the copy torch loaded, so both share one
-thread pool, sized per call to `torch.get_num_threads()`.
+thread pool, sized per call to `torch.get_num_threads()` (clang builds run single-threaded: `_dialect_flags`).
 """
 
 from __future__ import annotations
@@ -98,13 +99,29 @@ def _loaded() -> CKernels | None:
     return CKernels(library, width)
 
 
+@cache
+def _dialect_flags(compiler: str) -> list[str]:
+    """GCC: products and sums fused into FMAs across statements (`fast`; RoPE turns it off with GCC's `optimize`
+    pragma to stay bit for bit PyTorch's) and OpenMP through libgomp, PyTorch's own thread pool. clang: FMAs within
+    a statement (`on`, the setting under which it honours its own `fp contract` pragma) and OpenMP's `simd`
+    loops only, since its runtime would be LLVM's libomp, a second thread pool beside PyTorch's (SmolLM2's SwiGLU
+    2.4x slower with both on 2 cores): its kernels run on the calling thread."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "clang" in version.lower():
+        return ["-ffp-contract=on", "-fopenmp-simd"]
+    return ["-ffp-contract=fast", "-fopenmp"]
+
+
 def _build(width: int, isa: list[str]) -> Path:
     """The shared library of every `csrc/*.c` for this width and these flags, compiled now unless the cache has
     it. Several workers may build at once: each compiles to a private file and renames it into place."""
     compiler = c_compiler()
     if compiler is None:
         raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH; set CC)")
-    flags = ["-O3", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", f"-DVW={width}", *isa]
+    flags = ["-O3", *_dialect_flags(compiler), "-fPIC", "-shared", f"-DVW={width}", *isa]
     sources = sorted(_SOURCES.glob("*.c"))
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sorted(_SOURCES.iterdir()))
                             + " ".join([compiler, *flags]).encode()).hexdigest()[:16]

@@ -36,6 +36,9 @@ void bios_add_rms_norm(float* hidden, long ld_hidden, const float* delta, long l
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 void bios_rotate(float* x, long ld, int rows, int heads, int d, const float* cos, const float* signed_sin) {
+#ifdef __clang__
+  #pragma clang fp contract(off) /* clang ignores GCC's optimize pragma (and this one under -ffp-contract=fast) */
+#endif
   int half = d / 2;
   for (int r = 0; r < rows; r++) {
     const float* c = cos + (long)r * d;
