@@ -42,11 +42,10 @@ _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
     "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
-    "bios_add_rms_norm": [_p, _l, _p, _l, _p, _p, _l, _i, _i, _f],
+    "bios_add_rms_norm": [_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _f, _i],
     "bios_rotate": [_p, _l, _i, _i, _i, _p, _p],
     "bios_swiglu": [_p, _l, _p, _i, _i, _i],
     "bios_swiglu_backward": [_p, _l, _p, _l, _p, _l, _i, _i, _i],
-    "bios_rms_norm_forward": [_p, _l, _p, _p, _l, _p, _i, _i, _f, _i],
     "bios_rms_norm_backward": [_p, _p, _p, _p, _p, _p, _i, _i, _i],
 }
 

@@ -39,7 +39,7 @@ class DecodeOps:
         self._library.bios_add_rms_norm(hidden.data_ptr(), hidden.stride(0),
                                         None if delta is None else delta.data_ptr(),
                                         0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(),
-                                        width, rows, width, eps)
+                                        width, None, rows, width, eps, 1)
         return out
 
     def rotate(self, x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -40,22 +40,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
     if not grad_wanted(x, weight):
-        if _c_library(x, weight) is None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
+        library = _c_library(x, weight)
+        if library is None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same ops in one call (its CPU forward composes them)
-        return _rms_norm_forward(x, weight, eps)[0]
+        return _rms_norm_forward(x, weight, eps, library)[0]
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the norm, the per-row inverse RMS) in Hugging Face's LlamaRMSNorm rounding: Bios's C kernel for
-    contiguous fp32 CPU tensors where it is built (with or without a gradient, so a forward pass and a training
-    pass give the same numbers), else PyTorch's ops."""
-    library = _c_library(x, weight)
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the norm, the per-row inverse RMS) in Hugging Face's LlamaRMSNorm rounding: Bios's C kernel (`library`,
+    `_c_library`'s answer for x and weight) with or without a gradient, so a forward pass and a training pass give
+    the same numbers, else PyTorch's ops."""
     if library is not None:
         n = x.shape[-1]
         y, inv_rms = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
-        library.bios_rms_norm_forward(x.data_ptr(), n, weight.data_ptr(), y.data_ptr(), n, inv_rms.data_ptr(),
-                                      x.numel() // n, n, eps, torch.get_num_threads())
+        library.bios_add_rms_norm(x.data_ptr(), n, None, 0, weight.data_ptr(), y.data_ptr(), n, inv_rms.data_ptr(),
+                                  x.numel() // n, n, eps, torch.get_num_threads())
         return y, inv_rms
     x32 = x.to(_compute_dtype(x.dtype))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
@@ -65,7 +66,7 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, inv_rms = _rms_norm_forward(x, weight, eps)
+        y, inv_rms = _rms_norm_forward(x, weight, eps, _c_library(x, weight))
         ctx.save_for_backward(x, weight, inv_rms)
         return y
 

@@ -197,7 +197,7 @@ def _packs(model: nn.Module, reader: ImageReader | None) -> bool:
 def _segments(sizes: list[int], adapters: list[AdapterState | FactorCopy]
               ) -> list[tuple[int, int, AdapterState | FactorCopy]]:
     """[start, end) ranges of consecutive entries that share an adapter, over entries of the given sizes."""
-    segments: list[tuple[int, int, AdapterState]] = []
+    segments: list[tuple[int, int, AdapterState | FactorCopy]] = []
     start = 0
     for size, adapter in zip(sizes, adapters):
         if segments and segments[-1][2] is adapter:

@@ -13,6 +13,8 @@ row range per adapter), so exactly.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
@@ -31,7 +33,7 @@ class FactorCopy:
         originals = [factor for target in adapter.targets for factor in adapter.lora_pair(target.module_name)]
         sizes = [factor.numel() for factor in originals]
         starts = [factor.storage_offset() - adapter.params.storage_offset() for factor in originals]
-        if starts != [sum(sizes[:i]) for i in range(len(sizes))] or sum(sizes) != self.params.numel():
+        if starts != list(accumulate(sizes, initial=0))[:-1] or sum(sizes) != self.params.numel():
             raise RuntimeError(f"adapter {adapter.model_id}: its factors do not lie end to end in its parameters")
         copies = []
         for original, factor, grad in zip(originals, self.params.split(sizes), self.grad.split(sizes)):

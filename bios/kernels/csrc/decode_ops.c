@@ -1,7 +1,8 @@
 /* The small steps of a decode step's layer, fp32, one call each instead of several PyTorch ops: a decode step
  * streams every weight through the caches, so each op after a product runs cold, and the dispatch of a small
  * PyTorch op then costs far more than its arithmetic (SmolLM2's 16 x 576 RMSNorm: 12 us warm, ~50 us in a
- * decode step). Rows are few (a decode step's batch), so these run on the calling thread alone.
+ * decode step). Rows are few (a decode step's batch), so these run on the calling thread alone (a training
+ * pass's RMSNorm forward, `bios.kernels.norms`, takes `bios_add_rms_norm` on all of PyTorch's threads).
  * Built by bios/kernels/c_kernels.py. */
 #include <math.h>
 #include <string.h>
@@ -10,9 +11,11 @@
 
 /* hidden[r] += delta[r] (if delta), then out[r] = weight * (hidden[r] / sqrt(mean(hidden[r]^2) + eps)): the
  * residual add and the next RMSNorm of a Llama layer, with Hugging Face's rounding steps (normalise, then scale);
- * the sum of squares in another order than PyTorch's. */
+ * the sum of squares in another order than PyTorch's. inv_rms[r] (if given) keeps 1 / sqrt(...) for a training
+ * pass's backward (csrc/training_ops.c); on `threads` threads (a decode step's few rows: 1). */
 void bios_add_rms_norm(float* hidden, long ld_hidden, const float* delta, long ld_delta, const float* weight,
-                       float* out, long ld_out, int rows, int n, float eps) {
+                       float* out, long ld_out, float* inv_rms, int rows, int n, float eps, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int r = 0; r < rows; r++) {
     float* h = hidden + r * ld_hidden;
     if (delta) {
@@ -24,6 +27,7 @@ void bios_add_rms_norm(float* hidden, long ld_hidden, const float* delta, long l
     #pragma omp simd reduction(+ : squares)
     for (int i = 0; i < n; i++) squares += h[i] * h[i];
     float inverse = 1.0f / sqrtf(squares / (float)n + eps);
+    if (inv_rms) inv_rms[r] = inverse;
     float* o = out + r * ld_out;
     #pragma omp simd
     for (int i = 0; i < n; i++) o[i] = weight[i] * (h[i] * inverse);

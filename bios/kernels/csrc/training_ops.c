@@ -31,26 +31,7 @@ void bios_swiglu_backward(const float* gate_up, long ld, const float* grad_y, lo
   }
 }
 
-/* RMSNorm forward: out[r] = weight · (x[r] / sqrt(mean(x[r]^2) + eps)), and inv_rms[r] = that 1 / sqrt(...), kept
- * for backward; Hugging Face's rounding steps (normalise, then scale), the sum of squares in another order than
- * PyTorch's. x and out [rows][n] (row strides ld, ld_out). */
-void bios_rms_norm_forward(const float* x, long ld, const float* weight, float* out, long ld_out, float* inv_rms,
-                           int rows, int n, float eps, int threads) {
-  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int r = 0; r < rows; r++) {
-    const float* h = x + r * ld;
-    float squares = 0.0f;
-    #pragma omp simd reduction(+ : squares)
-    for (int i = 0; i < n; i++) squares += h[i] * h[i];
-    float inverse = 1.0f / __builtin_sqrtf(squares / (float)n + eps);
-    inv_rms[r] = inverse;
-    float* o = out + r * ld_out;
-    #pragma omp simd
-    for (int i = 0; i < n; i++) o[i] = weight[i] * (h[i] * inverse);
-  }
-}
-
-/* RMSNorm backward, from x, inv_rms and grad_y [rows][n]: grad_x = inv_rms · (g - x̂ · mean(g · x̂)) with
+/* RMSNorm backward (its forward: bios_add_rms_norm in csrc/decode_ops.c), from x, inv_rms and grad_y [rows][n]: grad_x = inv_rms · (g - x̂ · mean(g · x̂)) with
  * g = grad_y · weight and x̂ = x · inv_rms; and, if grad_weight is given, grad_weight = Σ_rows grad_y · x̂ (summed by
  * column blocks, so no two threads write one sum). All rows have stride n. */
 void bios_rms_norm_backward(const float* x, const float* weight, const float* inv_rms, const float* grad_y,
