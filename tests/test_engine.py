@@ -396,3 +396,16 @@ def test_training_cuts_cross_entropy_by_more_than_half():
     params = AdamParams(learning_rate=1e-2)
     losses = [train_step(model, adapter, data, params).loss for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_checksum_is_the_fp64_sum_of_values_and_squares_and_sees_one_changed_parameter(monkeypatch):
+    monkeypatch.setattr("bios.worker.adapter._CHECKSUM_CHUNK", 1000)
+    model = tiny_llama()
+    adapter = perturbed_adapter(model, "sum", 8, 1)
+    assert adapter.params.numel() % 1000 and adapter.params.numel() > 2000  # several chunks, a partial last one
+    values = adapter.params.double()
+    assert adapter.checksum() == pytest.approx(float(values.sum() + values.square().sum()), rel=1e-12)
+    before = adapter.checksum()
+    assert adapter.checksum() == before  # deterministic
+    adapter.params[-1] += 1e-3
+    assert adapter.checksum() != before

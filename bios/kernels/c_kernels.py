@@ -43,7 +43,7 @@ _SIGNATURES = {
     "bios_row_gemm": [_p, _l, _p, _p, _p, _l, _i, _i, _i, _i],
     "bios_cascade_attention": [_p, _l, _p, _p, _i, _p, _p, _l, _l, _l, _l, _i, _p, _i, _i, _i, _i, _i, _f, _i],
     "bios_add_rms_norm": [_p, _l, _p, _l, _p, _p, _l, _p, _i, _i, _f, _i],
-    "bios_rotate": [_p, _l, _i, _i, _i, _p, _p],
+    "bios_rotate": [_p, _l, _p, _l, _i, _i, _i, _p, _p, _i],
     "bios_swiglu": [_p, _l, _p, _i, _i, _i],
     "bios_swiglu_backward": [_p, _l, _p, _l, _p, _l, _i, _i, _i],
     "bios_rms_norm_backward": [_p, _p, _p, _p, _p, _p, _i, _i, _i],

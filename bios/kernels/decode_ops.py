@@ -51,8 +51,8 @@ class DecodeOps:
             raise ValueError(f"rotate_: heads and positions must be contiguous, got strides {x.stride()}")
         cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
         _check(x, cos, signed_sin)
-        self._library.bios_rotate(x.data_ptr(), x.stride(0), rows, heads, width, cos.data_ptr(),
-                                  signed_sin.data_ptr())
+        self._library.bios_rotate(x.data_ptr(), x.stride(0), x.data_ptr(), x.stride(0), rows, heads, width,
+                                  cos.data_ptr(), signed_sin.data_ptr(), 1)
         return x
 
     def swiglu(self, gate_up: Tensor, intermediate: int) -> Tensor:

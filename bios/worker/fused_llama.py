@@ -5,12 +5,13 @@ models (SmolLM2 is a Llama) to a subclass whose forward calls `rms_norm` / `swig
 and the stock forward otherwise. Only classes whose forward is known to be `weight * normalise(x)` and
 `down(silu(gate(x)) * up(x))` are switched; anything else (Gemma's `1 + weight` norm, GELU MLPs) keeps its
 own code. Their attentions, and those MLPs, compute q, k and v, and gate and up, as one stacked layer while
-training (`bios.worker.stacked_layers`), their weights laid out end to end here. Parameter names, `isinstance`
-checks and hooks are unchanged.
+training (`bios.worker.stacked_layers`), their weights laid out end to end here; such an attention then does its
+RoPE in one call (`bios.kernels.rotary`). Parameter names, `isinstance` checks and hooks are unchanged.
 """
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 from torch import Tensor, nn
@@ -18,9 +19,9 @@ from torch import Tensor, nn
 from bios.kernels import rms_norm, swiglu
 from bios.kernels.norms import swiglu_stacked, swiglu_stacked_value, swiglu_value
 from bios.kernels.recompute import recomputed_when_saved
+from bios.kernels.rotary import rotary
 from bios.worker.compute_mode import kernels_enabled
-from bios.worker.stacked_layers import (handed_outputs, lay_out_end_to_end, shared_input_projections,
-                                        stacked_output)
+from bios.worker.stacked_layers import lay_out_end_to_end, shared_input_projections, stacked_output
 
 
 class _FusedRMSNorm:
@@ -60,22 +61,70 @@ class _FusedSwiGLUMLP:
 
 class _StackedQKVAttention:
     """Mixin put before a Llama-style attention class: while training, q, k and v come from one stacked layer and
-    the stock forward (RoPE, the attention function, o_proj) receives them (`handed_outputs`)."""
+    this forward does the rest of the stock one (RoPE by `bios.kernels.rotary`: one call where Transformers' takes
+    ten ops, and as many back; the model's attention function; o_proj). With a cache, hooks on the projections,
+    or where the stack does not apply (`stacked_output`), the stock forward."""
 
     q_proj: nn.Module
     k_proj: nn.Module
     v_proj: nn.Module
+    o_proj: nn.Module
+    head_dim: int
+    scaling: float
+    attention_dropout: float
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = stacked_output(hidden_states, projections)
+        qkv = None
+        if (not args and kwargs.get("position_embeddings") is not None and kwargs.get("cache") is None
+                and kwargs.get("past_key_values") is None and not has_hooks(*projections)):
+            qkv = stacked_output(hidden_states, projections)
         if qkv is None:
             return super().forward(hidden_states, *args, **kwargs)
-        query, key, value = qkv.split([layer.weight.shape[0] for layer in projections], dim=-1)
-        # Attention keeps the values for backward, RoPE neither queries nor keys: values of their own, so those
-        # go once rotated (a view would keep all three alive: SmolLM2 fp32, +28 MiB at the step's peak)
-        with handed_outputs(hidden_states, projections, (query, key, value.contiguous())):
-            return super().forward(hidden_states, *args, **kwargs)
+        return self._attend(hidden_states, qkv, **kwargs)
+
+    def _attend(self, hidden_states: Tensor, qkv: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                attention_mask: Tensor | None = None, cache=None, past_key_values=None, **kwargs):
+        """The stock forward (no cache) after the projections, from their outputs side by side."""
+        widths = [layer.weight.shape[0] for layer in (self.q_proj, self.k_proj, self.v_proj)]
+        query_key, value = qkv.split([widths[0] + widths[1], widths[2]], dim=-1)
+        cos, sin = position_embeddings
+        norms = _head_norms(self)
+        if norms:  # Qwen3 normalises each head's query and key before RoPE
+            query, key = (rotary(norm(part.unflatten(-1, (-1, self.head_dim))).flatten(-2), cos, sin)
+                          for norm, part in zip(norms, query_key.split(widths[:2], dim=-1)))
+        else:  # query and key heads side by side: one rotation
+            query, key = rotary(query_key, cos, sin).split(widths[:2], dim=-1)
+        # Attention keeps the values for backward: values of their own, not a view keeping queries and keys alive
+        query, key, value = (part.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                             for part in (query, key, value.contiguous()))
+        output, weights = _attention_function(self)(
+            self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling, sliding_window=attention_window(self), **kwargs)
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def _attention_function(attention: nn.Module):
+    """The attention function the stock forward would call: the configured implementation's, else the
+    architecture's eager one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    stock = type(attention).__bases__[-1]  # (mixin, Transformers' class): `_fused_class`
+    eager = sys.modules[stock.__module__].eager_attention_forward
+    implementation = attention.config._attn_implementation
+    return eager if implementation == "eager" else ALL_ATTENTION_FUNCTIONS.get(implementation, eager)
+
+
+def attention_window(attention: nn.Module) -> int | None:
+    """The sliding window of a Llama-family attention, None for full attention: Qwen2/3 name each layer's,
+    Mistral's attention reads its config's, Llama has none."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)
+
+
+def has_hooks(*modules: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 _fused_classes: dict[type, type] = {}

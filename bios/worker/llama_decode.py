@@ -34,7 +34,7 @@ from bios.kernels.decode_ops import DecodeOps
 from bios.kernels.norms import rms_norm, swiglu_value
 from bios.worker.compute_mode import kernels_enabled
 from bios.worker.decode_cache import decode_caches
-from bios.worker.fused_llama import is_fused_llama_layer
+from bios.worker.fused_llama import attention_window, has_hooks, is_fused_llama_layer
 from bios.worker.lora import LoraLinear, lora_product, stacked_lora_product
 
 
@@ -81,7 +81,7 @@ class LlamaDecodeStep:
             return None
         longest = prefill.get_seq_length() + steps
         layers = [_layer_parts(decoder_layer, longest) for decoder_layer in base.layers]
-        if not layers or None in layers or _has_hooks(base.norm, base.rotary_emb, base.embed_tokens):
+        if not layers or None in layers or has_hooks(base.norm, base.rotary_emb, base.embed_tokens):
             return None
         caches = decode_caches(prefill, expand, steps, dtype)
         if caches is None or len(caches) != len(layers):
@@ -188,18 +188,12 @@ def _layer_parts(layer: nn.Module, longest: int) -> _Layer | None:
     query_norm, key_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     if not all(type(p) is LoraLinear for p in projections) or (query_norm is None) != (key_norm is None):
         return None
-    # Qwen2/3 name each layer's window (None: full attention); Mistral's attention reads its config's
-    window = (attention.sliding_window if hasattr(attention, "sliding_window")
-              else getattr(attention.config, "sliding_window", None))
+    window = attention_window(attention)
     if window is not None and window < longest:
         return None
     modules = [layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm, *projections]
-    if _has_hooks(*modules, *(n for n in (query_norm, key_norm) if n is not None)):
+    if has_hooks(*modules, *(n for n in (query_norm, key_norm) if n is not None)):
         return None
     q, k, v, o, gate, up, down = projections
     return _Layer(layer.input_layernorm, attention, _Projections(q, k, v), _Projections(o),
                   layer.post_attention_layernorm, _Projections(gate, up), _Projections(down), query_norm, key_norm)
-
-
-def _has_hooks(*modules: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)

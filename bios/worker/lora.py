@@ -200,16 +200,12 @@ class LoraLinear(nn.Linear):
 
     lora_segments: list[LoraSegment]
     bios_rows_per_item: int | None = None  # set by `_record_rows_per_item` inside decoder layers
-    bios_handed: tuple[Tensor, Tensor] | None = None  # (input, output) computed with others (`stacked_layers`)
 
     def forward(self, x: Tensor, target_ids: Tensor | None = None, token_weights: Tensor | None = None):
         """Outputs [..., out]; given `target_ids` [T] for x [T, in] (an output head), only the log-prob of
         each row's target instead, [T] fp32, without the whole [T, vocab] logits (`lora_target_logprobs`);
         given `token_weights` [T] too, those log-probs and their cross-entropy (`lora_target_loss`).
         Called as a module either way, so hooks on the head see the call."""
-        handed = self.bios_handed
-        if handed is not None and handed[0] is x:
-            return handed[1]
         if token_weights is not None:
             return lora_target_loss(x, self.weight, self.bias, self.lora_segments, target_ids, token_weights)
         if target_ids is not None:

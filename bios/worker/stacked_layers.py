@@ -7,14 +7,11 @@ computes the projections in one `stacked_lora_linear` (a training pass and a for
 same numbers), and says None where it cannot (kernels off; a decode step's products by prepacked copies; the
 weights made again since, e.g. by a tensor-parallel split before it lays them out again), so the caller computes
 each projection on its own.
-`handed_outputs` gives a stock forward that calls the projections one by one (Transformers' attention) the outputs
-computed together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -100,15 +97,3 @@ def _adapter_rows(segments: list[list]) -> list[AdapterRows] | None:
                                     members[0][1].scale))
     return adapters
 
-
-@contextmanager
-def handed_outputs(x: Tensor, projections: Sequence[nn.Module], outputs: Sequence[Tensor]) -> Iterator[None]:
-    """Within the block, calling one of `projections` on `x` itself returns its output from `outputs` (a LoRA
-    layer checks `bios_handed` first); the projections compute as usual afterwards, and on any other input."""
-    try:
-        for layer, output in zip(projections, outputs):
-            object.__setattr__(layer, "bios_handed", (x, output))  # a plain attribute: no nn.Module checks
-        yield
-    finally:
-        for layer in projections:
-            object.__setattr__(layer, "bios_handed", None)

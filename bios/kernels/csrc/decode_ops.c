@@ -34,27 +34,32 @@ void bios_add_rms_norm(float* hidden, long ld_hidden, const float* delta, long l
   }
 }
 
-/* RoPE in place on x [rows][heads][d] (row stride ld): x·cos + rotate_half(x)·sin, with sin's first half negated
- * by the caller (`signed_sin`), cos and sin [rows][d]. Each product and the sum rounded apart, as PyTorch's
- * elementwise ops do: the same numbers bit for bit. */
+/* RoPE of x [rows][heads][d] (row stride ld_x) into out (row stride ld_out; out == x rotates in place):
+ * x·cos + rotate_half(x)·sin, with sin's first half negated by the caller (`signed_sin`), cos and sin [rows][d].
+ * Each product and the sum rounded apart, as PyTorch's elementwise ops do: the same numbers bit for bit. A
+ * training pass's backward rotates the gradient back with sin's halves swapped and negated (bios/kernels/rotary.py);
+ * on `threads` threads (a decode step's few rows: 1). */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-void bios_rotate(float* x, long ld, int rows, int heads, int d, const float* cos, const float* signed_sin) {
+void bios_rotate(const float* x, long ld_x, float* out, long ld_out, int rows, int heads, int d, const float* cos,
+                 const float* signed_sin, int threads) {
 #ifdef __clang__
   #pragma clang fp contract(off) /* clang ignores GCC's optimize pragma (and this one under -ffp-contract=fast) */
 #endif
   int half = d / 2;
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int r = 0; r < rows; r++) {
     const float* c = cos + (long)r * d;
     const float* s = signed_sin + (long)r * d;
     for (int h = 0; h < heads; h++) {
-      float* head = x + r * ld + (long)h * d;
+      const float* head = x + r * ld_x + (long)h * d;
+      float* rotated = out + r * ld_out + (long)h * d;
       float low[half];
       memcpy(low, head, half * sizeof(float));
       #pragma omp simd
-      for (int i = 0; i < half; i++) head[i] = head[i] * c[i] + head[i + half] * s[i];
+      for (int i = 0; i < half; i++) rotated[i] = head[i] * c[i] + head[i + half] * s[i];
       #pragma omp simd
-      for (int i = 0; i < half; i++) head[i + half] = head[i + half] * c[i + half] + low[i] * s[i + half];
+      for (int i = 0; i < half; i++) rotated[i + half] = head[i + half] * c[i + half] + low[i] * s[i + half];
     }
   }
 }
