@@ -1,4 +1,4 @@
-"""A training pass's SwiGLU and RMSNorm in C (csrc/training_ops.c through bios.kernels.norms) for fp32 CPU tensors:
+"""A training pass's SwiGLU, RMSNorm and output-head log-softmax in C (csrc/training_ops.c through bios.kernels.norms) for fp32 CPU tensors:
 forward and backward against float64 references and against PyTorch's ops (`BIOS_C_KERNELS=off`), the
 recomputed activation bit for bit the forward's."""
 
@@ -62,3 +62,21 @@ def test_rms_norm_matches_float64_and_pytorchs_ops(weight_trains, monkeypatch):
     theirs = run(torch.float32)
     for mine, stock, exact in zip(ours, theirs, reference):
         assert _relative(mine, exact) < 2e-6 and _relative(stock, exact) < 2e-6
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("grads", [False, True])
+def test_head_log_softmax_matches_pytorchs_ops(scaled, grads):
+    from bios.kernels.cross_entropy import _c_log_softmax_, _log_softmax_
+
+    logits = _randn(9, 1003, seed=6, scale=5.0).float()  # a remainder past the last full vector
+    targets = torch.randint(0, 1003, (9,), generator=torch.Generator().manual_seed(7))
+    row_scale = _randn(9, seed=8).float() if scaled else None
+    results = []
+    for log_softmax in (_c_log_softmax_, _log_softmax_):
+        rows, logprobs, lse = logits.clone(), torch.empty(9), torch.empty(9)
+        assert log_softmax(rows, targets, row_scale, logprobs, lse, grads) is not False  # the C call ran
+        results.append((rows, logprobs, lse))
+    compared = slice(0, 3) if grads else slice(1, 3)  # without gradients the rows are scratch
+    for ours, theirs in zip(results[0][compared], results[1][compared]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)

@@ -67,3 +67,47 @@ void bios_rms_norm_backward(const float* x, const float* weight, const float* in
     }
   }
 }
+
+/* The output head's log-softmax, each row of logits [rows][n] (row stride ld) read once from memory and then
+ * worked on in the cache: lse[r] = max + log Σ exp(l - max), logprobs[r] = l[targets[r]] - lse[r]. With `grads`,
+ * the row is overwritten by the gradient of scale·logprobs[r] with respect to it: scale·(onehot(target) -
+ * softmax), scale = row_scale[r] (1 where row_scale is NULL); PyTorch's ops took four passes over memory
+ * (bios/kernels/cross_entropy.py). On `threads` threads. */
+void bios_log_softmax_rows(float* logits, long ld, const long* targets, const float* row_scale, float* logprobs,
+                           float* lse, int rows, int n, int grads, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    float* l = logits + r * ld;
+    vec top = (vec){0} - __builtin_inff();
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+      vec v = vload(l + i);
+      top = blend(v > top, v, top);
+    }
+    float most = -__builtin_inff();
+    for (int k = 0; k < VW; k++) most = top[k] > most ? top[k] : most;
+    for (; i < n; i++) most = l[i] > most ? l[i] : most;
+    float target = l[targets[r]];
+    vec sums = (vec){0};
+    for (i = 0; i + VW <= n; i += VW) {
+      vec e = vexp(vload(l + i) - most);
+      sums += e;
+      if (grads) vstore(l + i, e);
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < VW; k++) sum += sums[k];
+    for (; i < n; i++) {
+      float e = __builtin_expf(l[i] - most);
+      sum += e;
+      if (grads) l[i] = e;
+    }
+    lse[r] = most + __builtin_logf(sum);
+    logprobs[r] = target - lse[r];
+    if (!grads) continue;
+    float scale = row_scale ? row_scale[r] : 1.0f;
+    vec coefficient = (vec){0} - scale / sum;
+    for (i = 0; i + VW <= n; i += VW) vstore(l + i, vload(l + i) * coefficient);
+    for (; i < n; i++) l[i] *= -scale / sum;
+    l[targets[r]] += scale;
+  }
+}
