@@ -109,6 +109,30 @@ def test_rms_norm_and_swiglu_on_cuda(dtype):
     assert_matches(swiglu(gpu["gate"], gpu["up"]), expected, gpu, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_on_cuda_is_transformers_bit_for_bit_both_ways(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from bios.kernels.rotary import rotary
+
+    generator = torch.Generator().manual_seed(6)
+    qk = torch.randn(2, 17, 6 * 16, generator=generator).to(dtype).to(CUDA)
+    angles = torch.randn(2, 17, 8, generator=generator).repeat(1, 1, 2).to(CUDA)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grad = torch.randn(2, 17, 6 * 16, generator=generator).to(dtype).to(CUDA)
+    results = []
+    for stock in (False, True):
+        x = qk.clone().requires_grad_()
+        if stock:
+            heads = x.unflatten(-1, (6, 16)).transpose(1, 2)
+            out = apply_rotary_pos_emb(heads, heads, cos, sin)[0].transpose(1, 2).flatten(-2)
+        else:
+            out = rotary(x, cos, sin)
+        out.backward(grad)
+        results.append((out.detach(), x.grad))
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(*results))
+
+
 def test_adamw_step_on_cuda_equals_torch_adamw():
     generator = torch.Generator().manual_seed(6)
     params = [torch.randn(shape, generator=generator) for shape in [(64, 32), (17,), (8, 128)]]
