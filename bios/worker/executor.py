@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ class CycleOutcome:
     reason: str
     checksums: dict[str, float]
     seconds: dict[str, float] = field(default_factory=dict)
-    before: dict[str, float] = field(default_factory=dict)  # whole adapters' checksums when the cycle began
+    before: dict[str, float] = field(default_factory=dict)  # checksums of the whole adapters it ran on, as it began
 
 
 def shard_range(token_counts: list[int], world: int, rank: int) -> tuple[int, int]:
@@ -87,11 +87,14 @@ class CycleExecutor:
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
         started = time.perf_counter()
-        before = self.held_checksums()
         creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
         forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
         samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
         closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
+        # Only the adapters this cycle may change: any other one's checksum before it is the one after it (and
+        # the one the worker registers with), and a worker holding many runs would fingerprint them all each cycle
+        before = self.held_checksums({*(ids.run_id(i.op.session_id, i.op.model_seq_id) for i in creates),
+                                      *(i.op.model_id for i in (*forwards, *closing))})
         if len(samples) < len(cycle.items):
             self.prepacked.release()  # training passes, loads and saves get their memory back
         touched: set[str] = set()
@@ -259,12 +262,14 @@ class CycleExecutor:
             state.step = int(step.item())
         return {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
 
-    def held_checksums(self) -> dict[str, float]:
-        """Checksums of the whole adapters this worker holds (none while it holds shards), for registering
-        again: the coordinator may take them as the current state if no other holder survived."""
+    def held_checksums(self, model_ids: Collection[str] | None = None) -> dict[str, float]:
+        """Checksums of the whole adapters this worker holds (none while it holds shards), those of `model_ids`
+        only if given, for registering again: the coordinator may take them as the current state if no other
+        holder survived."""
         if self.group.tp != 1:
             return {}
-        return {model_id: adapter.state.checksum() for model_id, adapter in self.pool.adapters.items()}
+        return {model_id: adapter.state.checksum() for model_id, adapter in self.pool.adapters.items()
+                if model_ids is None or model_id in model_ids}
 
     def _checksum_key(self, model_id: str) -> str:
         """Replicas of the same shard must agree; different shards of one adapter differ by nature."""
