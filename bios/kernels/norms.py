@@ -31,6 +31,10 @@ from bios.kernels.c_kernels import c_kernels
 from bios.kernels.grad_wanted import grad_wanted
 
 
+# RMSNorm's C kernels take fp32, and bf16 rounded as Hugging Face's norm rounds (a frozen weight's backward only).
+_NORM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -40,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
     if not grad_wanted(x, weight):
-        library = _c_library(x, weight)
+        library = _c_library(x, weight, dtypes=_NORM_DTYPES)
         if library is None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same ops in one call (its CPU forward composes them)
         return _rms_norm_forward(x, weight, eps, library)[0]
@@ -54,9 +58,13 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, library
     the same numbers, else PyTorch's ops."""
     if library is not None:
         n = x.shape[-1]
-        y, inv_rms = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
-        library.bios_add_rms_norm(x.data_ptr(), n, None, 0, weight.data_ptr(), y.data_ptr(), n, inv_rms.data_ptr(),
-                                  x.numel() // n, n, eps, torch.get_num_threads())
+        y, inv_rms = torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
+        if x.dtype == torch.bfloat16:
+            library.bios_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), inv_rms.data_ptr(),
+                                       x.numel() // n, n, eps, torch.get_num_threads())
+        else:
+            library.bios_add_rms_norm(x.data_ptr(), n, None, 0, weight.data_ptr(), y.data_ptr(), n,
+                                      inv_rms.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads())
         return y, inv_rms
     x32 = x.to(_compute_dtype(x.dtype))
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
@@ -66,15 +74,22 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, library
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, inv_rms = _rms_norm_forward(x, weight, eps, _c_library(x, weight))
+        y, inv_rms = _rms_norm_forward(x, weight, eps, _c_library(x, weight, dtypes=_NORM_DTYPES))
         ctx.save_for_backward(x, weight, inv_rms)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, inv_rms = ctx.saved_tensors
-        library = _c_library(x, weight, grad_y)
-        if library is not None:
+        library = _c_library(x, weight, grad_y, dtypes=_NORM_DTYPES)
+        if library is not None and x.dtype == torch.bfloat16 and not ctx.needs_input_grad[1]:
+            n = x.shape[-1]
+            grad_x = torch.empty_like(x)
+            library.bios_rms_norm_backward_bf16(x.data_ptr(), weight.data_ptr(), inv_rms.data_ptr(),
+                                                grad_y.data_ptr(), grad_x.data_ptr(), x.numel() // n, n,
+                                                torch.get_num_threads())
+            return grad_x, None, None
+        if library is not None and x.dtype == torch.float32:
             n = x.shape[-1]
             grad_x = torch.empty_like(x)
             grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
@@ -156,9 +171,11 @@ def swiglu_stacked_value(gate_up: torch.Tensor) -> torch.Tensor:
         return out
 
 
-def _c_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """Bios's C kernels for these tensors: contiguous fp32 on CPU, where the kernels are built; else None."""
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+def _c_library(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> ctypes.CDLL | None:
+    """Bios's C kernels for these tensors: contiguous on CPU, all of one of `dtypes`, where the kernels are built;
+    else None."""
+    if tensors[0].dtype not in dtypes or not all(t.dtype == tensors[0].dtype and t.device.type == "cpu"
+                                                 and t.is_contiguous() for t in tensors):
         return None
     kernels = c_kernels()
     return None if kernels is None else kernels.library

@@ -111,3 +111,93 @@ void bios_log_softmax_rows(float* logits, long ld, const long* targets, const fl
     l[targets[r]] += scale;
   }
 }
+
+/* bf16 <-> fp32: a bf16 is the top half of an fp32; rounding to it is to nearest, ties to even, as PyTorch's
+ * casts round (NaN stays NaN). Vectors of VW bf16 load widened to fp32 and store rounded. */
+typedef unsigned short hvec __attribute__((vector_size(VW * 2), aligned(2)));
+typedef unsigned int uvec __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline float bf16_to_float(unsigned short b) {
+  unsigned int bits = (unsigned int)b << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline unsigned short float_to_bf16(float f) {
+  unsigned int bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if (f != f) return 0x7FC0;
+  return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+static inline vec hload(const unsigned short* p) {
+  return (vec)(__builtin_convertvector(*(const hvec*)p, uvec) << 16);
+}
+
+/* v rounded to bf16, as the top halves of its lanes (the low halves zero). */
+static inline uvec vround_bits(vec v) {
+  uvec bits = (uvec)v;
+  uvec rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  uvec nan = (uvec)(v != v);
+  return (rounded & ~nan) | (0x7FC00000u & nan);
+}
+
+static inline vec vround_bf16(vec v) { return (vec)vround_bits(v); }
+
+static inline void hstore(unsigned short* p, vec v) {
+  *(hvec*)p = __builtin_convertvector(vround_bits(v) >> 16, hvec);
+}
+
+/* RMSNorm of bf16 rows x [rows][n] with a bf16 weight, in Hugging Face's LlamaRMSNorm rounding: statistics in
+ * fp32, x̂ = x · inv_rms rounded to bf16, then weight · x̂ rounded to bf16 (the sum of squares in another order
+ * than PyTorch's); inv_rms[r] kept for the backward. On `threads` threads. */
+void bios_rms_norm_bf16(const unsigned short* x, const unsigned short* weight, unsigned short* out, float* inv_rms,
+                        int rows, int n, float eps, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    const unsigned short* h = x + (long)r * n;
+    vec sums = (vec){0};
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+      vec v = hload(h + i);
+      sums += v * v;
+    }
+    float squares = 0.0f;
+    for (int k = 0; k < VW; k++) squares += sums[k];
+    for (; i < n; i++) squares += bf16_to_float(h[i]) * bf16_to_float(h[i]);
+    float inverse = 1.0f / __builtin_sqrtf(squares / (float)n + eps);
+    inv_rms[r] = inverse;
+    unsigned short* o = out + (long)r * n;
+    for (i = 0; i + VW <= n; i += VW) hstore(o + i, hload(weight + i) * vround_bf16(hload(h + i) * inverse));
+    for (; i < n; i++) o[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(h[i]) * inverse));
+  }
+}
+
+/* Its backward for x: grad_x = inv_rms · (g - x̂ · mean(g · x̂)), g = grad_y · weight, x̂ = x · inv_rms, all in
+ * fp32 (PyTorch's ops round g and grad_y · x̂ to bf16 on the way), rounded to bf16 once. */
+void bios_rms_norm_backward_bf16(const unsigned short* x, const unsigned short* weight, const float* inv_rms,
+                                 const unsigned short* grad_y, unsigned short* grad_x, int rows, int n, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    const unsigned short* h = x + (long)r * n;
+    const unsigned short* gy = grad_y + (long)r * n;
+    float inverse = inv_rms[r];
+    vec sums = (vec){0};
+    int i = 0;
+    for (; i + VW <= n; i += VW) sums += hload(gy + i) * hload(weight + i) * (hload(h + i) * inverse);
+    float dot = 0.0f;
+    for (int k = 0; k < VW; k++) dot += sums[k];
+    for (; i < n; i++) dot += bf16_to_float(gy[i]) * bf16_to_float(weight[i]) * (bf16_to_float(h[i]) * inverse);
+    float projection = dot / (float)n;
+    unsigned short* gx = grad_x + (long)r * n;
+    for (i = 0; i + VW <= n; i += VW)
+      hstore(gx + i, (hload(gy + i) * hload(weight + i) - hload(h + i) * inverse * projection) * inverse);
+    for (; i < n; i++) {
+      float g = bf16_to_float(gy[i]) * bf16_to_float(weight[i]);
+      gx[i] = float_to_bf16((g - bf16_to_float(h[i]) * inverse * projection) * inverse);
+    }
+  }
+}
