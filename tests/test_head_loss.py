@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bios import types
 from bios.kernels import cross_entropy, linear_cross_entropy, linear_weighted_loss
+from bios.kernels.c_kernels import c_kernels
 from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
@@ -81,7 +82,8 @@ def test_the_logits_buffer_is_kept_for_the_next_call_and_replaced_when_it_does_n
     assert buffer_after(16, 40) is not first  # more rows (up to the chunk): a bigger one
     bf16 = buffer_after(40, 30, torch.bfloat16)
     assert bf16.matmul.shape == (16, 30) and bf16.matmul.dtype == torch.bfloat16
-    assert bf16.softmax.dtype == torch.float32  # a low-precision head's softmax runs in fp32
+    assert bf16.result_dtype == torch.float32  # a low-precision head's softmax runs in fp32: in the C kernel on
+    assert (bf16._softmax is None) == (c_kernels() is not None)  # its logits as they are, else on an fp32 copy
     with cross_entropy._logits_buffer(4, torch.empty(30, 8, dtype=torch.bfloat16)) as lent:
         assert lent is bf16 and not cross_entropy._kept  # lent out: a call running meanwhile gets its own
         with cross_entropy._logits_buffer(4, torch.empty(30, 8, dtype=torch.bfloat16)) as other:

@@ -103,3 +103,19 @@ def test_head_log_softmax_matches_pytorchs_ops(scaled, grads):
     compared = slice(0, 3) if grads else slice(1, 3)  # without gradients the rows are scratch
     for ours, theirs in zip(results[0][compared], results[1][compared]):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_head_log_softmax_of_bf16_logits_is_the_fp32_ones_cast_once(scaled):
+    from bios.kernels.cross_entropy import _c_log_softmax_
+
+    logits = _randn(7, 1003, seed=12, scale=5.0).to(torch.bfloat16)
+    targets = torch.randint(0, 1003, (7,), generator=torch.Generator().manual_seed(13))
+    row_scale = _randn(7, seed=14).float() if scaled else None
+    results = []
+    for rows in (logits.clone(), logits.float()):
+        logprobs, lse = torch.empty(7), torch.empty(7)
+        assert _c_log_softmax_(rows, targets, row_scale, logprobs, lse, True)
+        results.append((rows.to(torch.bfloat16), logprobs, lse))
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)

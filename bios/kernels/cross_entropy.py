@@ -144,29 +144,40 @@ class _LogitsBuffer:
 
     A fresh 100+ MiB tensor per call is handed back to the OS on free and page-faulted in again by the next
     (on CPU ~25 ms per 100 MiB, as much as the chunk's elementwise work; SmolLM2's 512 x 49152 logits are 96 MiB
-    in fp32). bf16/fp16 heads also get an fp32 buffer for the softmax; the low-precision one is reused for the
-    gradient matmul's input. `_logits_buffer` lends the one kept buffer to one call at a time.
+    in fp32). bf16/fp16 heads also get an fp32 buffer for the softmax where the C kernel does not take their
+    logits as they are; the low-precision one is reused for the gradient matmul's input. `_logits_buffer` lends
+    the one kept buffer to one call at a time.
     """
 
     def __init__(self, rows: int, weight: torch.Tensor):
         self.matmul = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        result_dtype = _result_dtype(weight.dtype)
-        self.softmax = (
-            self.matmul if result_dtype == weight.dtype else torch.empty_like(self.matmul, dtype=result_dtype)
-        )
+        self.result_dtype = _result_dtype(weight.dtype)
+        self._softmax: torch.Tensor | None = None  # a low-precision head's fp32 copy, made when first wanted
 
     def fits(self, rows: int, weight: torch.Tensor) -> bool:
         return (self.matmul.shape[0] >= rows and self.matmul.shape[1] == weight.shape[0]
                 and self.matmul.dtype == weight.dtype and self.matmul.device == weight.device)
 
-    def logits(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
+    def product(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
+        """The chunk's logits in the head's dtype, in this buffer."""
         logits = frozen_linear(h, weight, out=self.matmul[: h.shape[0]])
         if lora_a is not None:
             logits.addmm_(h @ lora_a.to(h.dtype).T, lora_b.to(h.dtype).T, alpha=lora_scale)
-        return logits if self.softmax is self.matmul else self.softmax[: h.shape[0]].copy_(logits)
+        return logits
+
+    def in_result_dtype(self, logits: torch.Tensor) -> torch.Tensor:
+        """`product`'s logits in at least fp32, for the softmax."""
+        if logits.dtype == self.result_dtype:
+            return logits
+        if self._softmax is None:
+            self._softmax = torch.empty_like(self.matmul, dtype=self.result_dtype)
+        return self._softmax[: logits.shape[0]].copy_(logits)
+
+    def logits(self, h, weight, lora_a, lora_b, lora_scale) -> torch.Tensor:
+        return self.in_result_dtype(self.product(h, weight, lora_a, lora_b, lora_scale))
 
     def in_matmul_dtype(self, dlogits: torch.Tensor) -> torch.Tensor:
-        return dlogits if self.softmax is self.matmul else self.matmul[: dlogits.shape[0]].copy_(dlogits)
+        return dlogits if dlogits.dtype == self.matmul.dtype else self.matmul[: dlogits.shape[0]].copy_(dlogits)
 
 
 _kept: list[_LogitsBuffer] = []  # the buffer of the last call, at most one (`pop` and slice assignment are atomic)
@@ -220,10 +231,14 @@ def _rows_of(grads, rows):
 
 def _forward_chunk_(buffer, logprobs, lse, grads, h, weight, targets, lora_a, lora_b, lora_scale, row_scale) -> None:
     """One chunk; log-probs and log-sum-exps are written in place, gradients (if `grads`) accumulated."""
-    logits = buffer.logits(h, weight, lora_a, lora_b, lora_scale)
-    if not _c_log_softmax_(logits, targets, row_scale, logprobs, lse, grads is not None):
-        _log_softmax_(logits, targets, row_scale, logprobs, lse, grads is not None)
-    if grads is not None:  # the logits now hold d (scaled) log p(t) / d logits
+    logits = buffer.product(h, weight, lora_a, lora_b, lora_scale)
+    wanted = grads is not None
+    # bf16 logits go to the C kernel as they are (no fp32 copy), unless a trainable head sums an fp32 gradient
+    if (wanted and grads[1] is not None) or not _c_log_softmax_(logits, targets, row_scale, logprobs, lse, wanted):
+        logits = buffer.in_result_dtype(logits)
+        if not _c_log_softmax_(logits, targets, row_scale, logprobs, lse, wanted):
+            _log_softmax_(logits, targets, row_scale, logprobs, lse, wanted)
+    if wanted:  # the logits now hold d (scaled) log p(t) / d logits
         _accumulate_grads_(grads, buffer, logits, h, weight, lora_a, lora_b, lora_scale)
 
 
@@ -250,9 +265,11 @@ def _log_softmax_(logits, targets, row_scale, logprobs, lse, grads: bool) -> Non
 
 def _c_log_softmax_(logits, targets, row_scale, logprobs, lse, grads: bool) -> bool:
     """`_log_softmax_` in one C call (`bios_log_softmax_rows`: each row read from memory once, where PyTorch's
-    ops make four passes over the chunk's logits; SmolLM2's 512 x 49152, ~20 -> ~8 ms) for fp32 logits on CPU;
-    whether it ran (not: other dtypes or devices, no C kernels)."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+    ops make four passes over the chunk's logits; SmolLM2's 512 x 49152 fp32, 23 -> 14 ms with AVX2 code) for
+    fp32 or bf16 logits on CPU (bf16: statistics in fp32, the gradient rounded once, as a cast of the fp32 one:
+    no fp32 copy of the logits); whether it ran (not: other dtypes or devices, no C kernels)."""
+    if (logits.dtype not in (torch.float32, torch.bfloat16) or logits.device.type != "cpu"
+            or logits.stride(1) != 1 or logprobs.dtype != torch.float32):
         return False
     kernels = c_kernels()
     if kernels is None:
@@ -260,7 +277,8 @@ def _c_log_softmax_(logits, targets, row_scale, logprobs, lse, grads: bool) -> b
     targets = targets.to(torch.int64).contiguous()  # (held: the kernel reads their memory)
     scale = None if row_scale is None else row_scale.to(torch.float32).contiguous()
     kernels.library.bios_log_softmax_rows(
-        logits.data_ptr(), logits.stride(0), targets.data_ptr(), None if scale is None else scale.data_ptr(),
+        logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), targets.data_ptr(),
+        None if scale is None else scale.data_ptr(),
         logprobs.data_ptr(), lse.data_ptr(), logits.shape[0], logits.shape[1], int(grads), torch.get_num_threads())
     return True
 

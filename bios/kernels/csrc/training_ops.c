@@ -68,50 +68,6 @@ void bios_rms_norm_backward(const float* x, const float* weight, const float* in
   }
 }
 
-/* The output head's log-softmax, each row of logits [rows][n] (row stride ld) read once from memory and then
- * worked on in the cache: lse[r] = max + log Σ exp(l - max), logprobs[r] = l[targets[r]] - lse[r]. With `grads`,
- * the row is overwritten by the gradient of scale·logprobs[r] with respect to it: scale·(onehot(target) -
- * softmax), scale = row_scale[r] (1 where row_scale is NULL); PyTorch's ops took four passes over memory
- * (bios/kernels/cross_entropy.py). On `threads` threads. */
-void bios_log_softmax_rows(float* logits, long ld, const long* targets, const float* row_scale, float* logprobs,
-                           float* lse, int rows, int n, int grads, int threads) {
-  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int r = 0; r < rows; r++) {
-    float* l = logits + r * ld;
-    vec top = (vec){0} - __builtin_inff();
-    int i = 0;
-    for (; i + VW <= n; i += VW) {
-      vec v = vload(l + i);
-      top = blend(v > top, v, top);
-    }
-    float most = -__builtin_inff();
-    for (int k = 0; k < VW; k++) most = top[k] > most ? top[k] : most;
-    for (; i < n; i++) most = l[i] > most ? l[i] : most;
-    float target = l[targets[r]];
-    vec sums = (vec){0};
-    for (i = 0; i + VW <= n; i += VW) {
-      vec e = vexp(vload(l + i) - most);
-      sums += e;
-      if (grads) vstore(l + i, e);
-    }
-    float sum = 0.0f;
-    for (int k = 0; k < VW; k++) sum += sums[k];
-    for (; i < n; i++) {
-      float e = __builtin_expf(l[i] - most);
-      sum += e;
-      if (grads) l[i] = e;
-    }
-    lse[r] = most + __builtin_logf(sum);
-    logprobs[r] = target - lse[r];
-    if (!grads) continue;
-    float scale = row_scale ? row_scale[r] : 1.0f;
-    vec coefficient = (vec){0} - scale / sum;
-    for (i = 0; i + VW <= n; i += VW) vstore(l + i, vload(l + i) * coefficient);
-    for (; i < n; i++) l[i] *= -scale / sum;
-    l[targets[r]] += scale;
-  }
-}
-
 /* bf16 <-> fp32: a bf16 is the top half of an fp32; rounding to it is to nearest, ties to even, as PyTorch's
  * casts round (NaN stays NaN). Vectors of VW bf16 load widened to fp32 and store rounded. */
 typedef unsigned short hvec __attribute__((vector_size(VW * 2), aligned(2)));
@@ -198,6 +154,70 @@ void bios_rms_norm_backward_bf16(const unsigned short* x, const unsigned short* 
     for (; i < n; i++) {
       float g = bf16_to_float(gy[i]) * bf16_to_float(weight[i]);
       gx[i] = float_to_bf16((g - bf16_to_float(h[i]) * inverse * projection) * inverse);
+    }
+  }
+}
+
+static inline vec row_load(const void* row, int bf16, int i) {
+  return bf16 ? hload((const unsigned short*)row + i) : vload((const float*)row + i);
+}
+
+static inline float row_at(const void* row, int bf16, int i) {
+  return bf16 ? bf16_to_float(((const unsigned short*)row)[i]) : ((const float*)row)[i];
+}
+
+/* The output head's log-softmax, each row of logits [rows][n] (fp32, or bf16 if `bf16`; row stride ld) read once
+ * from memory and then worked on in the cache, in fp32: lse[r] = max + log Σ exp(l - max), logprobs[r] =
+ * l[targets[r]] - lse[r]. With `grads`, the row is overwritten by the gradient of scale·logprobs[r] with respect
+ * to it, scale·(onehot(target) - softmax), scale = row_scale[r] (1 where row_scale is NULL); bf16 rows get it
+ * rounded once, as a cast of the fp32 gradient would (exp taken again rather than kept: no fp32 copy of the
+ * logits). PyTorch's ops took four passes over memory, and a bf16 head two casts (bios/kernels/cross_entropy.py).
+ * On `threads` threads. */
+void bios_log_softmax_rows(void* logits, long ld, int bf16, const long* targets, const float* row_scale,
+                           float* logprobs, float* lse, int rows, int n, int grads, int threads) {
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    void* row = (char*)logits + r * ld * (bf16 ? 2 : 4);
+    float* l = (float*)row;
+    vec top = (vec){0} - __builtin_inff();
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+      vec v = row_load(row, bf16, i);
+      top = blend(v > top, v, top);
+    }
+    float most = -__builtin_inff();
+    for (int k = 0; k < VW; k++) most = top[k] > most ? top[k] : most;
+    for (; i < n; i++) most = row_at(row, bf16, i) > most ? row_at(row, bf16, i) : most;
+    int t = (int)targets[r];
+    float target = row_at(row, bf16, t);
+    vec sums = (vec){0};
+    for (i = 0; i + VW <= n; i += VW) {
+      vec e = vexp(row_load(row, bf16, i) - most);
+      sums += e;
+      if (grads && !bf16) vstore(l + i, e);
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < VW; k++) sum += sums[k];
+    for (; i < n; i++) {
+      float e = __builtin_expf(row_at(row, bf16, i) - most);
+      sum += e;
+      if (grads && !bf16) l[i] = e;
+    }
+    lse[r] = most + __builtin_logf(sum);
+    logprobs[r] = target - lse[r];
+    if (!grads) continue;
+    float scale = row_scale ? row_scale[r] : 1.0f;
+    float coefficient = -scale / sum;
+    unsigned short* h = (unsigned short*)row;
+    for (i = 0; i + VW <= n; i += VW) {
+      vec d = (bf16 ? vexp(hload(h + i) - most) : vload(l + i)) * coefficient;
+      if (t >= i && t < i + VW) d[t - i] += scale;
+      if (bf16) hstore(h + i, d); else vstore(l + i, d);
+    }
+    for (; i < n; i++) {
+      float d = (bf16 ? __builtin_expf(row_at(row, bf16, i) - most) : l[i]) * coefficient;
+      if (i == t) d += scale;
+      if (bf16) h[i] = float_to_bf16(d); else l[i] = d;
     }
   }
 }
