@@ -1,6 +1,7 @@
 """A training pass's RoPE (`bios.kernels.rotary`): forward and backward bit for bit Transformers'
-`apply_rotary_pos_emb` and autograd through it, in C (fp32 CPU) and on PyTorch's ops (`BIOS_C_KERNELS=off`, and
-float64, which the C kernels do not take), on query and key heads sliced from a stacked q/k/v output."""
+`apply_rotary_pos_emb` and autograd through it, in C (fp32 and bf16 on CPU) and on PyTorch's ops
+(`BIOS_C_KERNELS=off`, and float64, which the C kernels do not take), on query and key heads sliced from a stacked
+q/k/v output."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def _ours(qkv, cos, sin, grad):
     return out.detach(), qkv.grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @needs_c_kernels
-def test_c_rotation_is_transformers_bit_for_bit_both_ways(threads):
-    inputs = _inputs(torch.float32)
+def test_c_rotation_is_transformers_bit_for_bit_both_ways(threads, dtype):
+    inputs = _inputs(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

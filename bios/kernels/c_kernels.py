@@ -50,6 +50,7 @@ _SIGNATURES = {
     "bios_log_softmax_rows": [_p, _l, _i, _p, _p, _p, _p, _i, _i, _i, _i],
     "bios_rms_norm_bf16": [_p, _p, _p, _p, _i, _i, _f, _i],
     "bios_rms_norm_backward_bf16": [_p, _p, _p, _p, _p, _i, _i, _i],
+    "bios_rotate_bf16": [_p, _l, _p, _l, _i, _i, _i, _p, _p, _i],
 }
 
 

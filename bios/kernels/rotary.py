@@ -3,8 +3,8 @@
 Transformers' `apply_rotary_pos_emb` is ten ops forward (halves sliced, one negated, concatenated, four products,
 two sums) and more back (each slice's gradient a zero-filled copy): SmolLM2's 4 x 128 tokens, 1.3 ms a layer
 forward and backward with AVX2 code, ~38 ms of a 1.9 s fp32 step. `rotary` rotates query and key heads side by
-side in one C call each way on fp32 CPU tensors (`bios_rotate`, csrc/decode_ops.c, on PyTorch's threads), three
-PyTorch ops each way elsewhere (bf16, GPUs, no compiler). The numbers are Transformers' bit for bit both ways:
+side in one C call each way on fp32 and bf16 CPU tensors (`bios_rotate`, csrc/decode_ops.c; `bios_rotate_bf16`,
+csrc/training_ops.c; on PyTorch's threads), three PyTorch ops each way elsewhere (GPUs, no compiler). The numbers are Transformers' bit for bit both ways:
 rotate_half(x)·sin is x's halves swapped times sin with its first half negated, and its gradient the gradient's
 halves swapped times sin with its halves swapped and its second half negated.
 """
@@ -53,14 +53,17 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     flat = x.view(rows, x.shape[-1])  # a [batch, tokens, heads x d] slice of a stacked output: rows strided
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()  # (held: the kernel reads their memory)
     out = x.new_empty(x.shape)
-    kernels.library.bios_rotate(flat.data_ptr(), flat.stride(0), out.data_ptr(), x.shape[-1], rows, heads, width,
-                                cos.data_ptr(), signed_sin.data_ptr(), torch.get_num_threads())
+    rotate = kernels.library.bios_rotate_bf16 if x.dtype == torch.bfloat16 else kernels.library.bios_rotate
+    rotate(flat.data_ptr(), flat.stride(0), out.data_ptr(), x.shape[-1], rows, heads, width, cos.data_ptr(),
+           signed_sin.data_ptr(), torch.get_num_threads())
     return out
 
 
 def _c_eligible(x: Tensor, *tables: Tensor) -> bool:
-    """fp32 CPU tensors with a contiguous last dim, x's leading dims one run of rows (a view, no copy)."""
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in (x, *tables)):
+    """fp32 or bf16 CPU tensors of one dtype with a contiguous last dim, x's leading dims one run of rows (a view,
+    no copy)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or not all(
+            t.dtype == x.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in (x, *tables)):
         return False
     try:
         x.view(-1, x.shape[-1])

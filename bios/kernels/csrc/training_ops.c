@@ -221,3 +221,35 @@ void bios_log_softmax_rows(void* logits, long ld, int bf16, const long* targets,
     }
   }
 }
+
+/* RoPE of bf16 x [rows][heads][d] (row stride ld_x) into out (row stride ld_out), with bf16 cos and signed_sin
+ * [rows][d] (bios_rotate's fp32 form, csrc/decode_ops.c): each product and the sum rounded to bf16 apart, as
+ * PyTorch's bf16 ops round, so the same numbers bit for bit. On `threads` threads. */
+void bios_rotate_bf16(const unsigned short* x, long ld_x, unsigned short* out, long ld_out, int rows, int heads, int d,
+                      const unsigned short* cos, const unsigned short* signed_sin, int threads) {
+  int half = d / 2;
+  #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int r = 0; r < rows; r++) {
+    const unsigned short* c = cos + (long)r * d;
+    const unsigned short* s = signed_sin + (long)r * d;
+    for (int h = 0; h < heads; h++) {
+      const unsigned short* head = x + r * ld_x + (long)h * d;
+      unsigned short* rotated = out + r * ld_out + (long)h * d;
+      int i = 0;
+      for (; i + VW <= half; i += VW) {
+        vec low = hload(head + i), high = hload(head + half + i);
+        vec first = vround_bf16(low * hload(c + i)) + vround_bf16(high * hload(s + i));
+        vec second = vround_bf16(high * hload(c + half + i)) + vround_bf16(low * hload(s + half + i));
+        hstore(rotated + i, first);
+        hstore(rotated + half + i, second);
+      }
+      for (; i < half; i++) {
+        float low = bf16_to_float(head[i]), high = bf16_to_float(head[half + i]);
+        float first = round_bf16(low * bf16_to_float(c[i])) + round_bf16(high * bf16_to_float(s[i]));
+        float second = round_bf16(high * bf16_to_float(c[half + i])) + round_bf16(low * bf16_to_float(s[half + i]));
+        rotated[i] = float_to_bf16(first);
+        rotated[half + i] = float_to_bf16(second);
+      }
+    }
+  }
+}
