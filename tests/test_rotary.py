@@ -87,3 +87,16 @@ def test_tables_of_one_row_broadcast_over_the_batch():
     qkv, cos, sin, _ = _inputs(torch.float32, seed=3)
     x = qkv[..., : HEADS * HEAD_DIM]
     assert torch.equal(rotary(x, cos[:1], sin[:1]), rotary(x, cos[:1].expand_as(cos), sin[:1].expand_as(sin)))
+
+
+def test_tables_that_train_get_their_gradient_and_x_its_own():
+    qkv, cos, sin, grad = _inputs(torch.float32, seed=4)
+    x = qkv[..., : (HEADS + KV_HEADS) * HEAD_DIM].clone().requires_grad_()
+    cos, sin = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+    rotary(x, cos, sin).backward(grad)
+    expected = [t.detach().clone().requires_grad_() for t in (x, cos, sin)]
+    heads = expected[0].unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+    rotated = apply_rotary_pos_emb(heads, heads, expected[1], expected[2])[0]
+    rotated.transpose(1, 2).flatten(-2).backward(grad)
+    for ours, theirs in zip((x, cos, sin), expected):
+        torch.testing.assert_close(ours.grad, theirs.grad)

@@ -30,7 +30,9 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         raise ValueError(f"rotary: x [..., heads x d] and cos/sin [..., d] with leading dims that broadcast to x's, "
                          f"got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}") from None
     signed_sin = _signed(sin)
-    if grad_wanted(x) and not grad_wanted(cos, sin):
+    if grad_wanted(cos, sin):  # tables that train (Transformers' never do): autograd through PyTorch's ops
+        return _rotate_by_ops(x, cos, signed_sin)
+    if grad_wanted(x):
         return _Rotary.apply(x, cos, signed_sin)
     return _rotate(x, cos, signed_sin)
 
@@ -47,9 +49,7 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rows, heads = cos.numel() // width, x.shape[-1] // width
     kernels = c_kernels() if _c_eligible(x, cos, signed_sin) else None
     if kernels is None:
-        by_head = x.unflatten(-1, (heads, width))
-        cos, signed_sin = cos.unsqueeze(-2), signed_sin.unsqueeze(-2)
-        return (by_head * cos + by_head.roll(width // 2, dims=-1) * signed_sin).flatten(-2)
+        return _rotate_by_ops(x, cos, signed_sin)
     flat = x.view(rows, x.shape[-1])  # a [batch, tokens, heads x d] slice of a stacked output: rows strided
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()  # (held: the kernel reads their memory)
     out = x.new_empty(x.shape)
@@ -57,6 +57,14 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rotate(flat.data_ptr(), flat.stride(0), out.data_ptr(), x.shape[-1], rows, heads, width, cos.data_ptr(),
            signed_sin.data_ptr(), torch.get_num_threads())
     return out
+
+
+def _rotate_by_ops(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """`_rotate` in three PyTorch ops."""
+    width = cos.shape[-1]
+    by_head = x.unflatten(-1, (x.shape[-1] // width, width))
+    cos, signed_sin = cos.unsqueeze(-2), signed_sin.unsqueeze(-2)
+    return (by_head * cos + by_head.roll(width // 2, dims=-1) * signed_sin).flatten(-2)
 
 
 def _c_eligible(x: Tensor, *tables: Tensor) -> bool:
