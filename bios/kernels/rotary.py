@@ -29,18 +29,25 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     except RuntimeError:
         raise ValueError(f"rotary: x [..., heads x d] and cos/sin [..., d] with leading dims that broadcast to x's, "
                          f"got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}") from None
-    signed_sin = _signed(sin)
+    signed = signed_sin(sin)
     if grad_wanted(cos, sin):  # tables that train (Transformers' never do): autograd through PyTorch's ops
-        return _rotate_by_ops(x, cos, signed_sin)
+        return _rotate_by_ops(x, cos, signed)
     if grad_wanted(x):
-        return _Rotary.apply(x, cos, signed_sin)
-    return _rotate(x, cos, signed_sin)
+        return _Rotary.apply(x, cos, signed)
+    return _rotate(x, cos, signed)
 
 
-def _signed(sin: Tensor) -> Tensor:
-    """sin with its first half negated: rotate_half(x)·sin = x's halves swapped · this."""
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half(x)·sin = x's halves swapped · this (`rotate_heads`, and the C
+    kernels' `signed_sin`)."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate_heads(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE on PyTorch's ops of x [..., d] by cos and `signed_sin` broadcast to it: x·cos + (x's halves
+    swapped)·signed_sin, Transformers' `apply_rotary_pos_emb` bit for bit, in three ops."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
 
 
 def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -60,11 +67,10 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 
 
 def _rotate_by_ops(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """`_rotate` in three PyTorch ops."""
+    """`_rotate` on PyTorch's ops (`rotate_heads` head by head)."""
     width = cos.shape[-1]
     by_head = x.unflatten(-1, (x.shape[-1] // width, width))
-    cos, signed_sin = cos.unsqueeze(-2), signed_sin.unsqueeze(-2)
-    return (by_head * cos + by_head.roll(width // 2, dims=-1) * signed_sin).flatten(-2)
+    return rotate_heads(by_head, cos.unsqueeze(-2), signed_sin.unsqueeze(-2)).flatten(-2)
 
 
 def _c_eligible(x: Tensor, *tables: Tensor) -> bool:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from bios.kernels.decode_ops import DecodeOps
 from bios.kernels.norms import rms_norm, swiglu_value
+from bios.kernels.rotary import rotate_heads, signed_sin
 from bios.worker.compute_mode import kernels_enabled
 from bios.worker.decode_cache import decode_caches
 from bios.worker.fused_llama import attention_window, has_hooks, is_fused_llama_layer
@@ -99,8 +100,7 @@ class LlamaDecodeStep:
         model, ops = self._model, self._ops
         hidden = model.embed_tokens(tokens)
         cos, sin = model.rotary_emb(hidden, positions[:, None])  # [rows, 1, head_dim]
-        half = self._head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs, for `rotate`
+        sin = signed_sin(sin)  # rotate_half's signs, for `rotate`
         heads, intermediate = self._query_heads, self._intermediate
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         rows = tokens.shape[0]
@@ -132,9 +132,7 @@ class _TorchOps:
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-        """RoPE as Transformers' `apply_rotary_pos_emb` computes it, x·cos + rotate_half(x)·sin, bit for bit:
-        rotate_half(x)·sin is x's halves swapped times sin with its first half negated (`signed_sin`)."""
-        return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+        return rotate_heads(x, cos, signed_sin)
 
     @staticmethod
     def swiglu(gate_up: Tensor, intermediate: int) -> Tensor:
