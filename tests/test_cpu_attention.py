@@ -1,6 +1,7 @@
-"""Low-precision attention on CPU in fp32 (bios.worker.cpu_attention): one query row through a plain fp32
-computation as accurate as SDPA, prompts and training through SDPA's fp32 kernel on fp32 copies (forward and
-gradients as exact as SDPA in fp32 on those copies), fp32 models through SDPA itself. That bf16 sampled
+"""Attention on CPU (bios.worker.cpu_attention): a low-precision model's one query row through a plain fp32
+computation as accurate as SDPA; prompts and training passes whose mask gives each query one interval of keys
+through the interval kernel (`bios.kernels.interval_attention`, on fp32 copies for bf16), others and everything
+without the C kernels through SDPA's fp32 kernel (bit for bit SDPA in fp32 on those copies). That bf16 sampled
 log-probs agree with the bf16 training forward through it is tests/test_kernel_integration.py's bf16 sampling
 test."""
 
@@ -9,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_c_kernels
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from bios.kernels import c_kernels
+from bios.kernels.interval_attention import interval_attention, key_intervals
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.worker.attention import ATTENTION, use_bios_attention
 from bios.worker.cpu_attention import cpu_attention
@@ -23,6 +27,7 @@ class _Attention(torch.nn.Module):
 
 
 def _qkv(queries: int, dtype: torch.dtype):
+    """Queries against 40 keys and values."""
     generator = torch.Generator().manual_seed(queries)
     shapes = [(4, 9, queries, 32), (4, 3, 40, 32), (4, 3, 40, 32)]
     return [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
@@ -50,7 +55,11 @@ def test_fp32_runs_sdpa_itself(queries):
     assert torch.equal(ours, theirs)
 
 
-def test_bf16_prompts_and_training_run_sdpas_fp32_kernel_on_fp32_copies():
+@pytest.mark.parametrize("c_kernels", ["auto", "off"])
+def test_bf16_prompts_and_training_run_in_fp32_on_fp32_copies(c_kernels, monkeypatch, fresh_c_kernels):
+    """With the C kernels, the interval kernel (a mask of one interval of keys per query); without, SDPA's fp32
+    kernel, bit for bit."""
+    monkeypatch.setenv("BIOS_C_KERNELS", c_kernels)
     generator = torch.Generator().manual_seed(3)
     query, key, value = (torch.randn(shape, generator=generator).to(torch.bfloat16).requires_grad_()
                          for shape in [(2, 9, 40, 32), (2, 3, 40, 32), (2, 3, 40, 32)])
@@ -64,12 +73,26 @@ def test_bf16_prompts_and_training_run_sdpas_fp32_kernel_on_fp32_copies():
     copies = [t.detach().float().requires_grad_() for t in (query, key, value)]
     exact, _ = sdpa_attention_forward(_Attention(), *copies, mask)
     exact.backward(grad.float())
-    assert torch.equal(ours, exact.to(torch.bfloat16))
+    same = torch.testing.assert_close if c_kernels == "auto" else \
+        (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))  # (bf16: to its rounding, then exactly)
+    same(ours, exact.to(torch.bfloat16))
     for ours_grad, exact_grad in zip((query.grad, key.grad, value.grad), (t.grad for t in copies)):
-        assert torch.equal(ours_grad, exact_grad.to(torch.bfloat16))
+        same(ours_grad, exact_grad.to(torch.bfloat16))
     additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, float("-inf"))
-    with_additive, _ = cpu_attention(_Attention(), query, key, value, additive)
-    torch.testing.assert_close(with_additive, ours, rtol=0, atol=0)
+    with_additive, _ = cpu_attention(_Attention(), query, key, value, additive)  # SDPA either way
+    same(with_additive, ours)
+
+
+@needs_c_kernels
+def test_fp32_training_takes_the_interval_kernel_and_sdpa_without_c_kernels(monkeypatch, fresh_c_kernels):
+    query, key, value = _qkv(40, torch.float32)
+    ours, _ = cpu_attention(_Attention(), query, key, value, None)
+    interval = interval_attention(query, key, value, *key_intervals(None, True, 4, 40), 32 ** -0.5)
+    assert torch.equal(ours, interval)
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")
+    c_kernels._loaded.cache_clear()
+    ours, _ = cpu_attention(_Attention(), query, key, value, None)
+    assert torch.equal(ours, sdpa_attention_forward(_Attention(), query, key, value, None)[0])
 
 
 def test_values_narrower_than_keys_come_out_at_their_own_width():

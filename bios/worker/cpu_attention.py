@@ -1,4 +1,11 @@
-"""Attention of a low-precision (bf16/fp16) model on CPU, computed in fp32.
+"""Attention on CPU: a training pass's and a prompt's through Bios's interval kernel, a low-precision model's
+decode step in plain fp32, the rest through SDPA (in fp32 for bf16/fp16).
+
+A training pass (or a prompt) whose mask gives each query one interval of keys (causal rows, packed sequences,
+a sliding window; `bios.kernels.interval_attention.key_intervals`) runs `interval_attention`, which computes only
+the pairs the intervals hold, where PyTorch's CPU flash attention computes every pair of a row of up to 512
+positions; low-precision tensors go in as fp32 copies. Other masks, head widths the kernel does not take, dropout,
+and machines without the C kernels run SDPA as follows.
 
 PyTorch's CPU SDPA kernel (flash attention for CPU) is slower in bf16 than in fp32 on the same tensors, once
 they are cast: for SmolLM2's training shape (4 rows x 128 tokens, 9 query heads over 3 key/value heads, head 64)
@@ -7,9 +14,9 @@ avx512_bf16, 2 threads), ~0.1 s of a ~1.6 s step over 30 layers; a prompt's forw
 decode step's single query row it is worse still (0.6-1.0 ms per layer, 4-5x a plain matmul, softmax and matmul
 in fp32), so `cpu_attention` does that plain computation for one query position and runs SDPA's fp32 kernel on
 fp32 copies of the query, keys and values for everything else. Both are at least as accurate as the bf16 kernel
-(which accumulates in fp32 too); the output is cast back to the model's dtype. fp32 models, GPUs, and calls with
-attention extras (soft-capping, sinks, position bias) go to Transformers' SDPA unchanged. The saved fp32 copies
-cost backward twice the bf16 bytes of q, k, v and the output (SmolLM2, 4 x 128: ~48 MB more per step).
+(which accumulates in fp32 too); the output is cast back to the model's dtype. GPUs, and calls with attention
+extras (soft-capping, sinks, position bias) go to Transformers' SDPA unchanged. The saved fp32 copies cost
+backward twice the bf16 bytes of q, k, v and the output (SmolLM2, 4 x 128: ~48 MB more per step).
 It is the attention function of `attention.ATTENTION`. Since a decode step's attention reads the whole cache in
 fp32, the sampler keeps a low-precision model's decode cache in fp32 on CPU (`cache_dtype`): each step then casts
 its one new position instead of every cached one (SmolLM2 bf16, 16 rows: ~400 casts of up to 114 positions a step).
@@ -22,6 +29,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from bios.kernels import interval_attention
+
 _EXTRAS = ("softcap", "s_aux", "position_bias", "sinks")
 
 
@@ -31,18 +40,42 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     -> [B, Q, Hq, Dv] (MLA's values are narrower than its queries and keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if (query.device.type != "cpu" or query.dtype not in (torch.bfloat16, torch.float16)
-            or any(kwargs.get(name) is not None for name in _EXTRAS)):
-        key, value = key.to(query.dtype), value.to(query.dtype)  # an fp32 decode cache (`cache_dtype`), if any
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if query.shape[2] == 1 and not dropout and (attention_mask is None or attention_mask.dim() == 4):
+    if query.device.type != "cpu" or any(kwargs.get(name) is not None for name in _EXTRAS):
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    low_precision = query.dtype in (torch.bfloat16, torch.float16)
+    if query.shape[2] == 1 and low_precision and not dropout and (attention_mask is None or attention_mask.dim() == 4):
         return decode_step_attention(query, key, value, attention_mask, scaling), None
+    if not dropout and interval_attention.suits(query, key, value):
+        causal = query.shape[2] > 1 and _causal(module, kwargs)
+        intervals = interval_attention.key_intervals(attention_mask, causal, query.shape[0], query.shape[2])
+        if intervals is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            output = interval_attention.interval_attention(query.float(), key.float(), value.float(), *intervals,
+                                                           scale)
+            return output.to(query.dtype), None
+    if not low_precision:
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.float()
     output, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
                                        dropout=dropout, scaling=scaling, **kwargs)
     return output.to(query.dtype), None
+
+
+def _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Transformers' SDPA on the tensors as they are (keys and values in the query's dtype)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = key.to(query.dtype), value.to(query.dtype)  # an fp32 decode cache (`cache_dtype`), if any
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _causal(module: nn.Module, kwargs: dict) -> bool:
+    """Whether a call without a mask is causal, as Transformers' SDPA decides: `is_causal` if passed, else the
+    module's (decoders: True)."""
+    passed = kwargs.get("is_causal")
+    return passed if passed is not None else getattr(module, "is_causal", True)
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,0 +1,284 @@
+/* Attention of a training pass in fp32 where each query sees one interval of keys (causal, causal within packed
+ * sequences, a sliding window), forward and backward, computing only the blocks of scores the intervals reach.
+ *
+ * PyTorch's CPU flash attention computes every query-key pair of a row of up to 512 keys and masks the causal
+ * half afterwards (the same time with is_causal as without); here a block of R queries multiplies only the keys
+ * its intervals span, about half the work for causal rows. Each task is one (batch row, kv head): its keys and
+ * values are transposed once into scratch, its query heads run one after another, and the kv head's key and value
+ * gradients sum in scratch and are written once (no two threads write one). Products are register tiles of R
+ * rows by two vectors; softmax statistics are fp32 and exp is vec.h's. Tensors are [batch, position, head, dim]
+ * with dim contiguous and any other strides (`strides` gives batch, position and head strides in floats, three
+ * per tensor in argument order). Built by bios/kernels/c_kernels.py; called by bios/kernels/interval_attention.py. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define R 4           /* query rows per block */
+#define TILE (2 * VW) /* keys per register tile */
+
+typedef struct {
+  long batch, position, head;
+} strides3;
+
+static inline float hsum(vec v) {
+  float sum = 0.0f;
+  for (int t = 0; t < VW; t++) sum += v[t];
+  return sum;
+}
+
+static inline long round_up(long n, long to) { return (n + to - 1) / to * to; }
+
+/* out[r][j] = Σ_e a[r][e] · bt[e][j] for r < R and j < n (n a multiple of TILE), bt's rows `ld` apart. */
+static void rows_by_columns(const float* const* a, const float* bt, long ld, int d, int n, float* out, long ld_out) {
+  for (int j = 0; j < n; j += TILE) {
+    vec acc[R][2] = {{{0}}};
+    for (int e = 0; e < d; e++) {
+      vec b0 = vload(bt + e * ld + j), b1 = vload(bt + e * ld + j + VW);
+      for (int r = 0; r < R; r++) {
+        float s = a[r][e];
+        acc[r][0] += s * b0;
+        acc[r][1] += s * b1;
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      vstore(out + r * ld_out + j, acc[r][0]);
+      vstore(out + r * ld_out + j + VW, acc[r][1]);
+    }
+  }
+}
+
+/* The transpose of rows [n][d] (rows `ld` apart) into t[d][padded], zero past n. */
+static void transpose_rows(const float* rows, long ld, int n, int d, float* t, int padded) {
+  for (int j = 0; j < padded; j++)
+    for (int e = 0; e < d; e++) t[(long)e * padded + j] = j < n ? rows[j * ld + e] : 0.0f;
+}
+
+/* One block's shared key span: the smallest first key, one past the largest last key, the first rounded down to
+ * a tile. Rows past the sequence (r >= rows) do not count. */
+static void block_span(const int* lo, const int* hi, int rows, int* first, int* tiled_first, int* end) {
+  int a = lo[0], b = hi[0];
+  for (int r = 1; r < rows; r++) {
+    a = lo[r] < a ? lo[r] : a;
+    b = hi[r] > b ? hi[r] : b;
+  }
+  *first = a;
+  *tiled_first = a / TILE * TILE;
+  *end = b + 1;
+}
+
+/* The queries of one block: rows i0.. of head h, scaled, with their key intervals; rows past S repeat the last. */
+static int load_block(const float* q, strides3 qs, int b, int h, int i0, int S, int D, float scale, const int* lo,
+                      const int* hi, float* rows, const float** a, int* rlo, int* rhi) {
+  int count = S - i0 < R ? S - i0 : R;
+  for (int r = 0; r < R; r++) {
+    int i = r < count ? i0 + r : i0 + count - 1;
+    const float* src = q + b * qs.batch + i * qs.position + h * qs.head;
+    for (int e = 0; e < D; e++) rows[r * D + e] = src[e] * scale;
+    a[r] = rows + r * D;
+    rlo[r] = lo[(long)b * S + i];
+    rhi[r] = hi[(long)b * S + i];
+  }
+  return count;
+}
+
+/* out_j += Σ_r w[r][j] · x_r for every key j in [first, end), one tile of columns: x's R rows `ldx` apart and kept in
+ * registers, out's rows `ld_out` apart, w's rows `ld` apart with w[r][j] at w[r * ld + j - j0]. */
+static void accumulate_rows(const float* w, long ld, int j0, int first, int end, const float* x, long ldx, float* out,
+                            long ld_out) {
+  vec a0[R], a1[R];
+  for (int r = 0; r < R; r++) {
+    a0[r] = vload(x + r * ldx);
+    a1[r] = vload(x + r * ldx + VW);
+  }
+  for (int j = first; j < end; j++) {
+    float* o = out + (long)j * ld_out;
+    vec s0 = vload(o), s1 = vload(o + VW);
+    for (int r = 0; r < R; r++) {
+      float weight = w[r * ld + j - j0];
+      s0 += weight * a0[r];
+      s1 += weight * a1[r];
+    }
+    vstore(o, s0);
+    vstore(o + VW, s1);
+  }
+}
+
+/* forward: out [B][S][Hq][D] and lse [B][Hq][S] (the log of each row's softmax denominator, for backward) from
+ * q [B][S][Hq][D], k and v [B][S][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (non-empty).
+ * strides: q, k, v, out. D must be a multiple of TILE. */
+void bios_interval_attention(const float* q, const float* k, const float* v, float* out, float* lse,
+                             const long* strides, const int* lo, const int* hi, int B, int S, int Hq, int Hkv, int D,
+                             float scale, int threads) {
+  strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
+           vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]};
+  int G = Hq / Hkv, padded = (int)round_up(S, TILE);
+  #pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    float* kt = aligned_alloc(64, sizeof(float) * D * padded);
+    float* scores = aligned_alloc(64, sizeof(float) * R * padded);
+    float* rows = aligned_alloc(64, sizeof(float) * R * D);
+    #pragma omp for schedule(static)
+    for (int task = 0; task < B * Hkv; task++) {
+      int b = task / Hkv, hk = task % Hkv;
+      const float* values = v + b * vs.batch + hk * vs.head;
+      transpose_rows(k + b * ks.batch + hk * ks.head, ks.position, S, D, kt, padded);
+      for (int h = hk * G; h < (hk + 1) * G; h++) {
+        for (int i0 = 0; i0 < S; i0 += R) {
+          const float* a[R];
+          int rlo[R], rhi[R], first, j0, end;
+          int count = load_block(q, qs, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
+          block_span(rlo, rhi, count, &first, &j0, &end);
+          rows_by_columns(a, kt + j0, padded, D, (int)round_up(end - j0, TILE), scores, padded);
+          float inverse[R];
+          for (int r = 0; r < R; r++) {
+            float* s = scores + r * padded - j0; /* s[j] is key j's score */
+            int l = rlo[r], u = rhi[r];
+            float m = -INFINITY, sum = 0.0f;
+            for (int j = l; j <= u; j++) m = s[j] > m ? s[j] : m;
+            int j = l;
+            vec total = {0};
+            for (; j + VW <= u + 1; j += VW) {
+              vec p = vexp(vload(s + j) - m);
+              vstore(s + j, p);
+              total += p;
+            }
+            sum = hsum(total);
+            for (; j <= u; j++) sum += (s[j] = expf(s[j] - m));
+            for (j = first; j < l; j++) s[j] = 0.0f;
+            for (j = u + 1; j < end; j++) s[j] = 0.0f;
+            inverse[r] = 1.0f / sum;
+            if (r < count) lse[((long)b * Hq + h) * S + i0 + r] = m + logf(sum);
+          }
+          for (int dc = 0; dc < D; dc += TILE) {
+            vec acc[R][2] = {{{0}}};
+            for (int j = first; j < end; j++) {
+              vec v0 = vload(values + j * vs.position + dc), v1 = vload(values + j * vs.position + dc + VW);
+              for (int r = 0; r < R; r++) {
+                float p = scores[r * padded + j - j0];
+                acc[r][0] += p * v0;
+                acc[r][1] += p * v1;
+              }
+            }
+            for (int r = 0; r < count; r++) {
+              float* o = out + b * os.batch + (i0 + r) * os.position + h * os.head + dc;
+              vstore(o, acc[r][0] * inverse[r]);
+              vstore(o + VW, acc[r][1] * inverse[r]);
+            }
+          }
+        }
+      }
+    }
+    free(kt);
+    free(scores);
+    free(rows);
+  }
+}
+
+/* backward: grad_q, grad_k, grad_v from grad_out and the forward's q, k, v, out and lse, the same intervals.
+ * strides: q, k, v, out, grad_out, grad_q, grad_k, grad_v. With P = exp(scores - lse), D_i = grad_out_i · out_i
+ * and dS = P (grad_out vᵀ - D): grad_v = Pᵀ grad_out, grad_q = scale dS k, grad_k = scale dSᵀ q. */
+void bios_interval_attention_backward(const float* q, const float* k, const float* v, const float* out,
+                                      const float* lse, const float* grad_out, float* grad_q, float* grad_k,
+                                      float* grad_v, const long* strides, const int* lo, const int* hi, int B, int S,
+                                      int Hq, int Hkv, int D, float scale, int threads) {
+  strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
+           vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]},
+           gos = {strides[12], strides[13], strides[14]}, gqs = {strides[15], strides[16], strides[17]},
+           gks = {strides[18], strides[19], strides[20]}, gvs = {strides[21], strides[22], strides[23]};
+  int G = Hq / Hkv, padded = (int)round_up(S, TILE);
+  #pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    float* kt = aligned_alloc(64, sizeof(float) * D * padded);
+    float* vt = aligned_alloc(64, sizeof(float) * D * padded);
+    float* dk = aligned_alloc(64, sizeof(float) * padded * D);
+    float* dv = aligned_alloc(64, sizeof(float) * padded * D);
+    float* p = aligned_alloc(64, sizeof(float) * R * padded);
+    float* ds = aligned_alloc(64, sizeof(float) * R * padded);
+    float* rows = aligned_alloc(64, sizeof(float) * R * D);
+    float* grad_rows = aligned_alloc(64, sizeof(float) * R * D);
+    #pragma omp for schedule(static)
+    for (int task = 0; task < B * Hkv; task++) {
+      int b = task / Hkv, hk = task % Hkv;
+      const float* keys = k + b * ks.batch + hk * ks.head;
+      transpose_rows(keys, ks.position, S, D, kt, padded);
+      transpose_rows(v + b * vs.batch + hk * vs.head, vs.position, S, D, vt, padded);
+      for (long x = 0; x < (long)padded * D; x++) dk[x] = dv[x] = 0.0f;
+      for (int h = hk * G; h < (hk + 1) * G; h++) {
+        for (int i0 = 0; i0 < S; i0 += R) {
+          const float* a[R];
+          const float* ga[R];
+          int rlo[R], rhi[R], first, j0, end;
+          float delta[R], log_sum[R];
+          int count = load_block(q, qs, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
+          for (int r = 0; r < R; r++) {
+            int i = r < count ? i0 + r : i0 + count - 1;
+            const float* g = grad_out + b * gos.batch + i * gos.position + h * gos.head;
+            const float* o = out + b * os.batch + i * os.position + h * os.head;
+            float dot = 0.0f;
+            for (int e = 0; e < D; e++) {
+              grad_rows[r * D + e] = r < count ? g[e] : 0.0f; /* a repeated row adds nothing to dk, dv */
+              dot += g[e] * o[e];
+            }
+            delta[r] = dot;
+            log_sum[r] = lse[((long)b * Hq + h) * S + i];
+            ga[r] = grad_rows + r * D;
+          }
+          block_span(rlo, rhi, count, &first, &j0, &end);
+          int n = (int)round_up(end - j0, TILE);
+          rows_by_columns(a, kt + j0, padded, D, n, p, padded);
+          rows_by_columns(ga, vt + j0, padded, D, n, ds, padded);
+          for (int r = 0; r < R; r++) {
+            float* pr = p + r * padded - j0;
+            float* dr = ds + r * padded - j0;
+            int l = rlo[r], u = r < count ? rhi[r] : l - 1, j;
+            for (j = first; j < l; j++) pr[j] = dr[j] = 0.0f;
+            for (j = l; j + VW <= u + 1; j += VW) {
+              vec weight = vexp(vload(pr + j) - log_sum[r]);
+              vstore(pr + j, weight);
+              vstore(dr + j, weight * (vload(dr + j) - delta[r]));
+            }
+            for (; j <= u; j++) {
+              pr[j] = expf(pr[j] - log_sum[r]);
+              dr[j] = pr[j] * (dr[j] - delta[r]);
+            }
+            for (j = u + 1 > first ? u + 1 : first; j < end; j++) pr[j] = dr[j] = 0.0f;
+          }
+          for (int dc = 0; dc < D; dc += TILE) { /* dv_j += Σ_r P[r][j] grad_out_r; dk_j += Σ_r dS[r][j] scale q_r */
+            accumulate_rows(p, padded, j0, first, end, grad_rows + dc, D, dv + dc, D);
+            accumulate_rows(ds, padded, j0, first, end, rows + dc, D, dk + dc, D);
+          }
+          for (int dc = 0; dc < D; dc += TILE) { /* grad_q_r = scale Σ_j dS[r][j] k_j */
+            vec acc[R][2] = {{{0}}};
+            for (int j = first; j < end; j++) {
+              vec k0 = vload(keys + j * ks.position + dc), k1 = vload(keys + j * ks.position + dc + VW);
+              for (int r = 0; r < R; r++) {
+                float d = ds[r * padded + j - j0];
+                acc[r][0] += d * k0;
+                acc[r][1] += d * k1;
+              }
+            }
+            for (int r = 0; r < count; r++) {
+              float* g = grad_q + b * gqs.batch + (i0 + r) * gqs.position + h * gqs.head + dc;
+              vstore(g, acc[r][0] * scale);
+              vstore(g + VW, acc[r][1] * scale);
+            }
+          }
+        }
+      }
+      for (int j = 0; j < S; j++)
+        for (int e = 0; e < D; e++) {
+          grad_k[b * gks.batch + j * gks.position + hk * gks.head + e] = dk[(long)j * D + e];
+          grad_v[b * gvs.batch + j * gvs.position + hk * gvs.head + e] = dv[(long)j * D + e];
+        }
+    }
+    free(kt);
+    free(vt);
+    free(dk);
+    free(dv);
+    free(p);
+    free(ds);
+    free(rows);
+    free(grad_rows);
+  }
+}

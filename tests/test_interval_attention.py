@@ -1,0 +1,112 @@
+"""A training pass's attention where each query sees one interval of keys (`bios.kernels.interval_attention`,
+`csrc/training_attention.c`): output and the gradients of query, key and value against SDPA in float64 on the same
+mask, for causal rows, packed sequences, a sliding window, full rows and padded rows, grouped heads, rows that
+are not a whole number of blocks, both thread counts; the intervals read off masks, and the masks it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import needs_c_kernels
+
+from bios.kernels.interval_attention import interval_attention, key_intervals, suits
+
+pytestmark = [pytest.mark.usefixtures("fresh_c_kernels"), needs_c_kernels]
+
+BATCH, HEADS, KV_HEADS, WIDTH = 2, 6, 2, 32
+
+
+def _qkv(length: int, seed: int = 0):
+    """q, k, v as Transformers hands them: [B, H, S, D] views of one projection output [B, S, (Hq + 2Hkv) D]."""
+    generator = torch.Generator().manual_seed(seed)
+    stacked = torch.randn(BATCH, length, (HEADS + 2 * KV_HEADS) * WIDTH, generator=generator)
+    parts = stacked.split([HEADS * WIDTH, KV_HEADS * WIDTH, KV_HEADS * WIDTH], dim=-1)
+    return [part.unflatten(-1, (-1, WIDTH)).transpose(1, 2) for part in parts]
+
+
+def _mask(kind: str, length: int) -> torch.Tensor:
+    """[B, 1, S, S] bool (True attends)."""
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if kind == "causal":
+        return causal.expand(BATCH, 1, length, length)
+    if kind == "full":
+        return torch.ones(BATCH, 1, length, length, dtype=torch.bool)
+    if kind == "window":  # each query sees itself and the 4 keys before it
+        return (causal & ~torch.ones(length, length, dtype=torch.bool).tril(-5)).expand(BATCH, 1, length, length)
+    if kind == "packed":  # row 0: sequences of 7, 11 and the rest; row 1: one sequence
+        sequence = torch.zeros(BATCH, length, dtype=torch.long)
+        sequence[0, 7:18], sequence[0, 18:] = 1, 2
+        same = sequence[:, :, None] == sequence[:, None, :]
+        return (causal & same)[:, None]
+    if kind == "padded":  # row 1 right-padded after 9 positions: its pads see the 9 real ones
+        mask = causal.expand(BATCH, 1, length, length).clone()
+        mask[1, 0, :, 9:] = False
+        return mask
+    raise ValueError(kind)
+
+
+def _reference(query, key, value, mask, scale):
+    """SDPA in float64, output [B, S, H, D], and the float64 gradients for `grad`."""
+    q, k, v = (t.double().detach().requires_grad_() for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2), (q, k, v)
+
+
+@pytest.mark.parametrize("kind", ["causal", "packed", "window", "full", "padded"])
+@pytest.mark.parametrize("length", [37, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_sdpa_forward_and_backward(kind, length, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    query, key, value = (t.detach().requires_grad_() for t in _qkv(length))
+    mask = _mask(kind, length)
+    intervals = key_intervals(None, True, BATCH, length) if kind == "causal" else key_intervals(mask, True, BATCH,
+                                                                                                length)
+    assert intervals is not None and suits(query, key, value)
+    out = interval_attention(query, key, value, *intervals, 0.3)
+    expected, inputs = _reference(query, key, value, mask, 0.3)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad)
+    expected.backward(grad.double())
+    assert out.shape == (BATCH, length, HEADS, WIDTH) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    for ours, theirs in zip((query, key, value), inputs):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=2e-5, rtol=0)
+
+
+def test_no_gradient_wanted_gives_the_same_output():
+    query, key, value = _qkv(40)
+    intervals = key_intervals(None, True, BATCH, 40)
+    with torch.no_grad():
+        plain = interval_attention(query, key, value, *intervals, 0.25)
+    tracked = interval_attention(*(t.detach().requires_grad_() for t in (query, key, value)), *intervals, 0.25)
+    assert torch.equal(plain, tracked.detach())
+
+
+def test_intervals_read_off_masks():
+    lo, hi = key_intervals(_mask("packed", 30), True, BATCH, 30)
+    assert lo[0, :7].eq(0).all() and lo[0, 7:18].eq(7).all() and lo[0, 18:].eq(18).all() and lo[1].eq(0).all()
+    assert torch.equal(hi[0], torch.arange(30, dtype=torch.int32))
+    lo, hi = key_intervals(None, False, BATCH, 5)  # no mask, not causal: every key
+    assert lo.eq(0).all() and hi.eq(4).all()
+    one_row = key_intervals(_mask("window", 12)[:1], True, BATCH, 12)  # a mask of batch 1 broadcasts
+    assert one_row[0].shape == (BATCH, 12) and one_row[0][1, 11] == 7
+
+
+def test_masks_that_are_not_one_interval_per_query_are_refused():
+    gaps = _mask("causal", 16).clone()
+    gaps[0, 0, 10, 3] = False  # query 10 skips key 3
+    empty = _mask("causal", 16).clone()
+    empty[1, 0, 0, 0] = False  # query 0 sees nothing
+    additive = torch.zeros(BATCH, 1, 16, 16)
+    per_head = torch.ones(BATCH, HEADS, 16, 16, dtype=torch.bool)
+    for mask in (gaps, empty, additive, per_head):
+        assert key_intervals(mask, True, BATCH, 16) is None
+
+
+def test_what_the_kernel_does_not_take(monkeypatch):
+    query, key, value = _qkv(16)
+    assert not suits(query[..., :24], key[..., :24], value[..., :24])  # a width the tiles do not divide
+    assert not suits(query, key[:, :, :8], value[:, :, :8])  # fewer keys than queries (a cache)
+    monkeypatch.setenv("BIOS_C_KERNELS", "off")
+    assert not suits(query, key, value)
