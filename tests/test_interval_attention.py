@@ -1,7 +1,8 @@
 """A training pass's attention where each query sees one interval of keys (`bios.kernels.interval_attention`,
 `csrc/training_attention.c`): output and the gradients of query, key and value against SDPA in float64 on the same
-mask, for causal rows, packed sequences, a sliding window, full rows and padded rows, grouped heads, rows that
-are not a whole number of blocks, both thread counts; the intervals read off masks, and the masks it refuses."""
+mask, for causal rows, packed sequences, a sliding window, full rows, padded rows and pads that see nothing, grouped heads, rows that
+are not a whole number of blocks, both thread counts; a stacked q/k/v output RoPE'd in the kernel against
+Transformers' RoPE then SDPA; the intervals read off masks, and the masks it refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import needs_c_kernels
 
-from bios.kernels.interval_attention import interval_attention, key_intervals, suits
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from bios.kernels.interval_attention import interval_attention, key_intervals, stacked_attention, suits
 
 pytestmark = [pytest.mark.usefixtures("fresh_c_kernels"), needs_c_kernels]
 
@@ -43,6 +46,10 @@ def _mask(kind: str, length: int) -> torch.Tensor:
         mask = causal.expand(BATCH, 1, length, length).clone()
         mask[1, 0, :, 9:] = False
         return mask
+    if kind == "left-padded":  # row 1's first 6 positions are pads that see nothing (a batched prompt's)
+        mask = causal.expand(BATCH, 1, length, length).clone()
+        mask[1, 0, :, :6] = False
+        return mask
     raise ValueError(kind)
 
 
@@ -53,7 +60,7 @@ def _reference(query, key, value, mask, scale):
     return out.transpose(1, 2), (q, k, v)
 
 
-@pytest.mark.parametrize("kind", ["causal", "packed", "window", "full", "padded"])
+@pytest.mark.parametrize("kind", ["causal", "packed", "window", "full", "padded", "left-padded"])
 @pytest.mark.parametrize("length", [37, 64])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_sdpa_forward_and_backward(kind, length, threads, monkeypatch):
@@ -64,14 +71,52 @@ def test_matches_sdpa_forward_and_backward(kind, length, threads, monkeypatch):
                                                                                                 length)
     assert intervals is not None and suits(query, key, value)
     out = interval_attention(query, key, value, *intervals, 0.3)
-    expected, inputs = _reference(query, key, value, mask, 0.3)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    sees = mask.any(-1).transpose(1, 2)[..., None]  # [B, S, 1, 1]: a query that sees no key gives zeros
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) * sees  # (pads' outputs are dropped)
+    expected, inputs = _reference(query, key, value, mask | ~mask.any(-1, keepdim=True), 0.3)  # SDPA: NaN rows
     out.backward(grad)
     expected.backward(grad.double())
     assert out.shape == (BATCH, length, HEADS, WIDTH) and out.is_contiguous()
-    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(out.double(), expected * sees, atol=2e-6, rtol=0)
     for ours, theirs in zip((query, key, value), inputs):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=2e-5, rtol=0)
+
+
+def _tables(length: int, rows: int):
+    """Transformers-style RoPE tables [rows, S, D] (each angle twice), rows 1 broadcasting over the batch."""
+    angles = torch.randn(rows, length, WIDTH // 2, generator=torch.Generator().manual_seed(2)) * 3
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("kind", ["causal", "packed"])
+@pytest.mark.parametrize("table_rows", [1, BATCH])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_stacked_projection_with_rope_matches_rope_then_sdpa(kind, table_rows, threads, monkeypatch):
+    """One kernel call for RoPE and attention of a q/k/v projection output, and one gradient for all of it."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    length = 45
+    query, key, value = _qkv(length, seed=4)
+    qkv = query._base.detach().requires_grad_()  # the stacked output q, k and v are views of
+    cos, sin = _tables(length, table_rows)
+    mask = _mask(kind, length)
+    intervals = key_intervals(None if kind == "causal" else mask, True, BATCH, length)
+    out = stacked_attention(qkv, HEADS, KV_HEADS, *intervals, 0.2, cos, sin)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    out.backward(grad)
+
+    exact = qkv.detach().double().requires_grad_()
+    q, k, v = (part.unflatten(-1, (-1, WIDTH)).transpose(1, 2)
+               for part in exact.split([HEADS * WIDTH, KV_HEADS * WIDTH, KV_HEADS * WIDTH], dim=-1))
+    q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    expected = expected.transpose(1, 2).flatten(-2)
+    expected.backward(grad.double())
+    assert out.shape == (BATCH, length, HEADS * WIDTH)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+    torch.testing.assert_close(qkv.grad.double(), exact.grad, atol=2e-5, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(stacked_attention(qkv, HEADS, KV_HEADS, *intervals, 0.2, cos, sin), out.detach())
 
 
 def test_no_gradient_wanted_gives_the_same_output():
@@ -87,6 +132,8 @@ def test_intervals_read_off_masks():
     lo, hi = key_intervals(_mask("packed", 30), True, BATCH, 30)
     assert lo[0, :7].eq(0).all() and lo[0, 7:18].eq(7).all() and lo[0, 18:].eq(18).all() and lo[1].eq(0).all()
     assert torch.equal(hi[0], torch.arange(30, dtype=torch.int32))
+    lo, hi = key_intervals(_mask("left-padded", 8), True, BATCH, 8)  # a query that sees nothing: (0, -1)
+    assert lo[1, :6].eq(0).all() and hi[1, :6].eq(-1).all() and lo[1, 6:].eq(6).all()
     lo, hi = key_intervals(None, False, BATCH, 5)  # no mask, not causal: every key
     assert lo.eq(0).all() and hi.eq(4).all()
     one_row = key_intervals(_mask("window", 12)[:1], True, BATCH, 12)  # a mask of batch 1 broadcasts
@@ -96,11 +143,9 @@ def test_intervals_read_off_masks():
 def test_masks_that_are_not_one_interval_per_query_are_refused():
     gaps = _mask("causal", 16).clone()
     gaps[0, 0, 10, 3] = False  # query 10 skips key 3
-    empty = _mask("causal", 16).clone()
-    empty[1, 0, 0, 0] = False  # query 0 sees nothing
     additive = torch.zeros(BATCH, 1, 16, 16)
     per_head = torch.ones(BATCH, HEADS, 16, 16, dtype=torch.bool)
-    for mask in (gaps, empty, additive, per_head):
+    for mask in (gaps, additive, per_head):
         assert key_intervals(mask, True, BATCH, 16) is None
 
 

@@ -20,6 +20,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from bios.kernels import rotary
 from bios.kernels.c_kernels import c_kernels
 
 # The last mask's intervals: a pass hands every layer the same mask, so they are read off it once a pass.
@@ -41,9 +42,10 @@ def suits(query: Tensor, key: Tensor, value: Tensor) -> bool:
 
 
 def key_intervals(attention_mask: Tensor | None, causal: bool, batch: int, length: int) -> tuple[Tensor, Tensor] | None:
-    """(lo, hi), int32 [batch, length]: query i of batch row b sees keys lo[b, i]..hi[b, i]. From no mask (causal
-    or full rows), or a boolean [batch or 1, 1, length, length] mask (True attends) whose every row is one
-    non-empty interval; None for anything else (a float mask, a query that sees no key, gaps)."""
+    """(lo, hi), int32 [batch, length]: query i of batch row b sees keys lo[b, i]..hi[b, i] (none where hi < lo:
+    its output is zeros, as SDPA's). From no mask (causal or full rows), or a boolean [batch or 1, 1, length,
+    length] mask (True attends) whose every row is one interval or empty; None for anything else (a float mask,
+    gaps)."""
     if attention_mask is None:
         positions = torch.arange(length, dtype=torch.int32)
         hi = positions if causal else torch.full((length,), length - 1, dtype=torch.int32)
@@ -51,12 +53,15 @@ def key_intervals(attention_mask: Tensor | None, causal: bool, batch: int, lengt
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 \
             or attention_mask.shape[0] not in (1, batch) or tuple(attention_mask.shape[2:]) != (length, length):
         return None
-    global _last_mask
-    cached = _last_mask  # one read: another thread may replace it meanwhile
-    if cached is None or cached[0]() is not attention_mask or cached[1] != attention_mask._version:
-        cached = (weakref.ref(attention_mask), attention_mask._version, _intervals_of(attention_mask[:, 0].cpu()))
-        _last_mask = cached
-    intervals = cached[2]
+    if attention_mask.is_inference():  # no version counter to tell an edit by: read afresh
+        intervals = _intervals_of(attention_mask[:, 0].cpu())
+    else:
+        global _last_mask
+        cached = _last_mask  # one read: another thread may replace it meanwhile
+        if cached is None or cached[0]() is not attention_mask or cached[1] != attention_mask._version:
+            cached = (weakref.ref(attention_mask), attention_mask._version, _intervals_of(attention_mask[:, 0].cpu()))
+            _last_mask = cached
+        intervals = cached[2]
     if intervals is None:
         return None
     lo, hi = intervals
@@ -64,14 +69,14 @@ def key_intervals(attention_mask: Tensor | None, causal: bool, batch: int, lengt
 
 
 def _intervals_of(mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """Each row's first and last True key of mask [B, L, L], if every row's Trues are one non-empty run."""
+    """Each row's first and last True key of mask [B, L, L] (a row without one, a left pad's: 0 and -1), if every
+    row's Trues are one run."""
     length = mask.shape[-1]
     counts = mask.sum(-1, dtype=torch.int32)
-    if not bool((counts > 0).all()):
-        return None
     as_int = mask.to(torch.int8)
-    lo = as_int.argmax(-1).to(torch.int32)
-    hi = (length - 1 - as_int.flip(-1).argmax(-1)).to(torch.int32)
+    seen = counts > 0
+    lo = torch.where(seen, as_int.argmax(-1).to(torch.int32), 0)
+    hi = torch.where(seen, (length - 1 - as_int.flip(-1).argmax(-1)).to(torch.int32), -1)
     return (lo, hi) if bool((hi - lo + 1 == counts).all()) else None
 
 
@@ -81,7 +86,31 @@ def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi
     Transformers' attention functions return. Differentiable in query, key and value."""
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _IntervalAttention.apply(query, key, value, lo, hi, scale)
-    return _forward(query, key, value, lo, hi, scale)[0]
+    return _forward(*(_by_position(t) for t in (query, key, value)), lo, hi, scale, None)[0]
+
+
+def stacked_attention(qkv: Tensor, heads: int, kv_heads: int, lo: Tensor, hi: Tensor, scale: float,
+                      cos: Tensor | None = None, sin: Tensor | None = None) -> Tensor:
+    """`interval_attention` of a stacked q/k/v projection output qkv [B, S, (heads + 2 kv_heads) x D] (fp32, the
+    last dim contiguous), its queries and keys RoPE'd by Transformers' cos and sin tables [B or 1, S, D] on the way
+    into the kernel: [B, S, heads x D]. Its gradient comes back as one tensor like qkv, so nothing is rotated,
+    split or concatenated outside the kernel, forward or backward."""
+    width = qkv.shape[-1] // (heads + 2 * kv_heads)
+    if cos is not None:  # the kernel reads fp32 tables, a row per batch row and position
+        cos, sin = (t.to(torch.float32).expand(qkv.shape[0], -1, -1) for t in (cos, rotary.signed_sin(sin)))
+        cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        out = _StackedAttention.apply(qkv, heads, kv_heads, lo, hi, scale, cos, sin)
+    else:
+        out = _forward(*split_stacked(qkv, heads, kv_heads), lo, hi, scale, (cos, sin) if cos is not None else None)[0]
+    return out.view(*qkv.shape[:-1], heads * width)
+
+
+def split_stacked(qkv: Tensor, heads: int, kv_heads: int) -> list[Tensor]:
+    """q, k, v of a stacked projection output [B, S, (heads + 2 kv_heads) x D] as [B, S, H, D] views."""
+    width = qkv.shape[-1] // (heads + 2 * kv_heads)
+    parts = qkv.split([heads * width, kv_heads * width, kv_heads * width], dim=-1)
+    return [part.unflatten(-1, (-1, width)) for part in parts]
 
 
 def _by_position(t: Tensor) -> Tensor:
@@ -90,27 +119,46 @@ def _by_position(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _strides(*tensors: Tensor) -> Tensor:
-    """The batch, position and head strides of [B, S, H, D] tensors, in the order the kernel reads them."""
-    return torch.tensor([s for t in tensors for s in t.stride()[:3]], dtype=torch.int64)
+def _strides(tensors: list[Tensor], rotation: tuple[Tensor, Tensor] | None) -> Tensor:
+    """The batch, position and head strides of [B, S, H, D] tensors, in the order the kernel reads them, then the
+    RoPE tables' batch and position strides."""
+    table = rotation[0].stride()[:2] if rotation is not None else (0, 0)
+    return torch.tensor([s for t in tensors for s in t.stride()[:3]] + list(table), dtype=torch.int64)
 
 
-def _forward(query, key, value, lo, hi, scale):
-    q, k, v = (_by_position(t) for t in (query, key, value))
+def _tables(rotation: tuple[Tensor, Tensor] | None) -> tuple[int | None, int | None]:
+    return (None, None) if rotation is None else (rotation[0].data_ptr(), rotation[1].data_ptr())
+
+
+def _forward(q, k, v, lo, hi, scale, rotation):
+    """(out [B, S, Hq, D], lse [B, Hq, S]) for q, k, v [B, S, H, D]."""
     batch, length, heads, width = q.shape
     out = q.new_empty(batch, length, heads, width)
     lse = q.new_empty(batch, heads, length)
-    strides = _strides(q, k, v, out)
+    strides = _strides([q, k, v, out], rotation)
     c_kernels().library.bios_interval_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), strides.data_ptr(),
-        lo.data_ptr(), hi.data_ptr(), batch, length, heads, k.shape[2], width, scale, torch.get_num_threads())
-    return out, lse, (q, k, v)
+        lo.data_ptr(), hi.data_ptr(), *_tables(rotation), batch, length, heads, k.shape[2], width, scale,
+        torch.get_num_threads())
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, lo, hi, scale, rotation, grad_out, grad_q, grad_k, grad_v) -> None:
+    """The gradients into grad_q, grad_k, grad_v (views [B, S, H, D], written whole)."""
+    batch, length, heads, width = q.shape
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    strides = _strides([q, k, v, out, grad_out, grad_q, grad_k, grad_v], rotation)
+    c_kernels().library.bios_interval_attention_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad_out.data_ptr(),
+        grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), strides.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+        *_tables(rotation), batch, length, heads, k.shape[2], width, scale, torch.get_num_threads())
 
 
 class _IntervalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, lo, hi, scale):
-        out, lse, (q, k, v) = _forward(query, key, value, lo, hi, scale)
+        q, k, v = (_by_position(t) for t in (query, key, value))
+        out, lse = _forward(q, k, v, lo, hi, scale, None)
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, out, lse, lo, hi)
         return out
@@ -118,12 +166,25 @@ class _IntervalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, lo, hi = ctx.saved_tensors
-        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        batch, length, heads, width = q.shape
-        strides = _strides(q, k, v, out, grad_out, grad_q, grad_k, grad_v)
-        c_kernels().library.bios_interval_attention_backward(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad_out.data_ptr(),
-            grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), strides.data_ptr(), lo.data_ptr(),
-            hi.data_ptr(), batch, length, heads, k.shape[2], width, ctx.scale, torch.get_num_threads())
-        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), None, None, None
+        grads = [torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)]
+        _backward(q, k, v, out, lse, lo, hi, ctx.scale, None, grad_out, *grads)
+        return *(g.transpose(1, 2) for g in grads), None, None, None
+
+
+class _StackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, heads, kv_heads, lo, hi, scale, cos, sin):
+        ctx.shape = (heads, kv_heads)
+        rotation = (cos, sin) if cos is not None else None
+        out, lse = _forward(*split_stacked(qkv, *ctx.shape), lo, hi, scale, rotation)
+        ctx.scale, ctx.rotated = scale, rotation is not None
+        ctx.save_for_backward(qkv, out, lse, lo, hi, *(rotation or ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, out, lse, lo, hi, *rotation = ctx.saved_tensors
+        grad = torch.empty(qkv.shape, dtype=qkv.dtype)
+        _backward(*split_stacked(qkv, *ctx.shape), out, lse, lo, hi, ctx.scale, tuple(rotation) or None,
+                  grad_out.view(out.shape), *split_stacked(grad, *ctx.shape))
+        return grad, None, None, None, None, None, None, None

@@ -45,14 +45,12 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     low_precision = query.dtype in (torch.bfloat16, torch.float16)
     if query.shape[2] == 1 and low_precision and not dropout and (attention_mask is None or attention_mask.dim() == 4):
         return decode_step_attention(query, key, value, attention_mask, scaling), None
-    if not dropout and interval_attention.suits(query, key, value):
-        causal = query.shape[2] > 1 and _causal(module, kwargs)
-        intervals = interval_attention.key_intervals(attention_mask, causal, query.shape[0], query.shape[2])
-        if intervals is not None:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            output = interval_attention.interval_attention(query.float(), key.float(), value.float(), *intervals,
-                                                           scale)
-            return output.to(query.dtype), None
+    intervals = None if dropout or not interval_attention.suits(query, key, value) else \
+        _intervals(module, attention_mask, query.shape[0], query.shape[2], kwargs)
+    if intervals is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        output = interval_attention.interval_attention(query.float(), key.float(), value.float(), *intervals, scale)
+        return output.to(query.dtype), None
     if not low_precision:
         return _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -71,11 +69,32 @@ def _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs
                                   **kwargs)
 
 
-def _causal(module: nn.Module, kwargs: dict) -> bool:
-    """Whether a call without a mask is causal, as Transformers' SDPA decides: `is_causal` if passed, else the
-    module's (decoders: True)."""
+def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: int, cos: Tensor, sin: Tensor,
+                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs) -> Tensor | None:
+    """`cpu_attention` of a stacked q/k/v projection output [B, S, (heads + 2 kv_heads) x D] whose queries and keys
+    take RoPE by cos and sin first, in one kernel call each way (`interval_attention.stacked_attention`): the
+    attention output [B, S, heads x D]. None where the interval kernel does not apply (not fp32 on CPU, dropout,
+    extras, a mask that is not one interval per query, rotary tables that train): the caller goes the stock way."""
+    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout or qkv.stride(-1) != 1 \
+            or any(kwargs.get(name) is not None for name in _EXTRAS) or cos.requires_grad or sin.requires_grad:
+        return None
+    query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
+    if not interval_attention.suits(query, key, value) or cos.shape[-1] != query.shape[-1]:
+        return None
+    intervals = _intervals(module, attention_mask, qkv.shape[0], qkv.shape[1], kwargs)
+    if intervals is None:
+        return None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return interval_attention.stacked_attention(qkv, heads, kv_heads, *intervals, scale, cos, sin)
+
+
+def _intervals(module: nn.Module, attention_mask: Tensor | None, batch: int, length: int, kwargs: dict):
+    """Each query's interval of keys (`interval_attention.key_intervals`), a call without a mask being causal as
+    Transformers' SDPA decides: more than one query, and `is_causal` if passed, else the module's (decoders: True)."""
     passed = kwargs.get("is_causal")
-    return passed if passed is not None else getattr(module, "is_causal", True)
+    causal = length > 1 and (passed if passed is not None else getattr(module, "is_causal", True))
+    return interval_attention.key_intervals(attention_mask, causal, batch, length)
 
 
 def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

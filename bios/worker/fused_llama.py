@@ -21,6 +21,7 @@ from bios.kernels.norms import swiglu_stacked, swiglu_stacked_value, swiglu_valu
 from bios.kernels.recompute import recomputed_when_saved
 from bios.kernels.rotary import rotary
 from bios.worker.compute_mode import kernels_enabled
+from bios.worker.cpu_attention import cpu_attention, stacked_cpu_attention
 from bios.worker.stacked_layers import lay_out_end_to_end, shared_input_projections, stacked_output
 
 
@@ -87,9 +88,16 @@ class _StackedQKVAttention:
                 attention_mask: Tensor | None = None, cache=None, past_key_values=None, **kwargs):
         """The stock forward (no cache) after the projections, from their outputs side by side."""
         widths = [layer.weight.shape[0] for layer in (self.q_proj, self.k_proj, self.v_proj)]
-        query_key, value = qkv.split([widths[0] + widths[1], widths[2]], dim=-1)
         cos, sin = position_embeddings
         norms = _head_norms(self)
+        attention = _attention_function(self)
+        if attention is cpu_attention and not norms and widths[1] == widths[2]:  # RoPE and attention in one kernel
+            output = stacked_cpu_attention(
+                self, qkv, widths[0] // self.head_dim, widths[1] // self.head_dim, cos, sin, attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs)
+            if output is not None:
+                return self.o_proj(output), None
+        query_key, value = qkv.split([widths[0] + widths[1], widths[2]], dim=-1)
         if norms:  # Qwen3 normalises each head's query and key before RoPE
             query, key = (rotary(norm(part.unflatten(-1, (-1, self.head_dim))).flatten(-2), cos, sin)
                           for norm, part in zip(norms, query_key.split(widths[:2], dim=-1)))
@@ -98,7 +106,7 @@ class _StackedQKVAttention:
         # Attention keeps the values for backward: values of their own, not a view keeping queries and keys alive
         query, key, value = (part.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                              for part in (query, key, value.contiguous()))
-        output, weights = _attention_function(self)(
+        output, weights = attention(
             self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling, sliding_window=attention_window(self), **kwargs)
         return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights

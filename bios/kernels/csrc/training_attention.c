@@ -8,7 +8,11 @@
  * gradients sum in scratch and are written once (no two threads write one). Products are register tiles of R
  * rows by two vectors; softmax statistics are fp32 and exp is vec.h's. Tensors are [batch, position, head, dim]
  * with dim contiguous and any other strides (`strides` gives batch, position and head strides in floats, three
- * per tensor in argument order). Built by bios/kernels/c_kernels.py; called by bios/kernels/interval_attention.py. */
+ * per tensor in argument order). Queries and keys may be RoPE'd on the way in (`cos` and `sin` tables, [batch or
+ * one][position][dim], their batch and position strides after the tensors'; `sin` with its first half negated,
+ * as bios/kernels/rotary.py's `signed_sin`): then a stacked q/k/v projection output goes in as it is, and the
+ * gradients come out for it, rotated back. Built by bios/kernels/c_kernels.py; called by
+ * bios/kernels/interval_attention.py. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -20,6 +24,44 @@
 typedef struct {
   long batch, position, head;
 } strides3;
+
+/* RoPE tables, or none (cos NULL): row (b, i) at b * batch + i * position. */
+typedef struct {
+  const float *cos, *sin;
+  long batch, position;
+} tables;
+
+/* out = RoPE of x's one head [D] at row (b, i), times `scale`: x·cos + (x's halves swapped)·signed sin (a copy
+ * where there are no tables). */
+static void rotate_in(const float* x, tables t, int b, int i, int D, float scale, float* out) {
+  if (!t.cos) {
+    for (int e = 0; e < D; e++) out[e] = x[e] * scale;
+    return;
+  }
+  const float* c = t.cos + b * t.batch + i * t.position;
+  const float* s = t.sin + b * t.batch + i * t.position;
+  int half = D / 2;
+  for (int e = 0; e < D; e += VW) {
+    int other = e < half ? e + half : e - half;
+    vstore(out + e, (vload(x + e) * vload(c + e) + vload(x + other) * vload(s + e)) * scale);
+  }
+}
+
+/* The gradient through `rotate_in` (scale 1) of g [D] at row (b, i), into out: g·cos + (g's halves swapped)·(the
+ * signed sin's halves swapped). */
+static void rotate_back(const float* g, tables t, int b, int i, int D, float* out) {
+  if (!t.cos) {
+    for (int e = 0; e < D; e++) out[e] = g[e];
+    return;
+  }
+  const float* c = t.cos + b * t.batch + i * t.position;
+  const float* s = t.sin + b * t.batch + i * t.position;
+  int half = D / 2;
+  for (int e = 0; e < D; e += VW) {
+    int other = e < half ? e + half : e - half;
+    vstore(out + e, vload(g + e) * vload(c + e) + vload(g + other) * vload(s + other));
+  }
+}
 
 static inline float hsum(vec v) {
   float sum = 0.0f;
@@ -48,10 +90,12 @@ static void rows_by_columns(const float* const* a, const float* bt, long ld, int
   }
 }
 
-/* The transpose of rows [n][d] (rows `ld` apart) into t[d][padded], zero past n. */
-static void transpose_rows(const float* rows, long ld, int n, int d, float* t, int padded) {
+/* One kv head's n rows (`ld` apart; batch row b), RoPE'd by the tables, into rows [n][d] and their transpose
+ * t[d][padded] (zero past n). */
+static void load_keys(const float* keys, long ld, tables tb, int b, int n, int d, float* rows, float* t, int padded) {
+  for (int j = 0; j < n; j++) rotate_in(keys + j * ld, tb, b, j, d, 1.0f, rows + (long)j * d);
   for (int j = 0; j < padded; j++)
-    for (int e = 0; e < d; e++) t[(long)e * padded + j] = j < n ? rows[j * ld + e] : 0.0f;
+    for (int e = 0; e < d; e++) t[(long)e * padded + j] = j < n ? rows[(long)j * d + e] : 0.0f;
 }
 
 /* One block's shared key span: the smallest first key, one past the largest last key, the first rounded down to
@@ -67,14 +111,14 @@ static void block_span(const int* lo, const int* hi, int rows, int* first, int* 
   *end = b + 1;
 }
 
-/* The queries of one block: rows i0.. of head h, scaled, with their key intervals; rows past S repeat the last. */
-static int load_block(const float* q, strides3 qs, int b, int h, int i0, int S, int D, float scale, const int* lo,
-                      const int* hi, float* rows, const float** a, int* rlo, int* rhi) {
+/* The queries of one block: rows i0.. of head h, RoPE'd and scaled, with their key intervals; rows past S repeat
+ * the last. */
+static int load_block(const float* q, strides3 qs, tables tb, int b, int h, int i0, int S, int D, float scale,
+                      const int* lo, const int* hi, float* rows, const float** a, int* rlo, int* rhi) {
   int count = S - i0 < R ? S - i0 : R;
   for (int r = 0; r < R; r++) {
     int i = r < count ? i0 + r : i0 + count - 1;
-    const float* src = q + b * qs.batch + i * qs.position + h * qs.head;
-    for (int e = 0; e < D; e++) rows[r * D + e] = src[e] * scale;
+    rotate_in(q + b * qs.batch + i * qs.position + h * qs.head, tb, b, i, D, scale, rows + r * D);
     a[r] = rows + r * D;
     rlo[r] = lo[(long)b * S + i];
     rhi[r] = hi[(long)b * S + i];
@@ -105,29 +149,32 @@ static void accumulate_rows(const float* w, long ld, int j0, int first, int end,
 }
 
 /* forward: out [B][S][Hq][D] and lse [B][Hq][S] (the log of each row's softmax denominator, for backward) from
- * q [B][S][Hq][D], k and v [B][S][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (non-empty).
- * strides: q, k, v, out. D must be a multiple of TILE. */
+ * q [B][S][Hq][D], k and v [B][S][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (none if hi < lo:
+ * then lo must be 0, and its output is zeros).
+ * strides: q, k, v, out, then the tables'. D must be a multiple of TILE. */
 void bios_interval_attention(const float* q, const float* k, const float* v, float* out, float* lse,
-                             const long* strides, const int* lo, const int* hi, int B, int S, int Hq, int Hkv, int D,
-                             float scale, int threads) {
+                             const long* strides, const int* lo, const int* hi, const float* cos, const float* sin,
+                             int B, int S, int Hq, int Hkv, int D, float scale, int threads) {
   strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
            vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]};
+  tables tb = {cos, sin, strides[12], strides[13]};
   int G = Hq / Hkv, padded = (int)round_up(S, TILE);
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     float* kt = aligned_alloc(64, sizeof(float) * D * padded);
+    float* krows = aligned_alloc(64, sizeof(float) * D * padded);
     float* scores = aligned_alloc(64, sizeof(float) * R * padded);
     float* rows = aligned_alloc(64, sizeof(float) * R * D);
     #pragma omp for schedule(static)
     for (int task = 0; task < B * Hkv; task++) {
       int b = task / Hkv, hk = task % Hkv;
       const float* values = v + b * vs.batch + hk * vs.head;
-      transpose_rows(k + b * ks.batch + hk * ks.head, ks.position, S, D, kt, padded);
+      load_keys(k + b * ks.batch + hk * ks.head, ks.position, tb, b, S, D, krows, kt, padded);
       for (int h = hk * G; h < (hk + 1) * G; h++) {
         for (int i0 = 0; i0 < S; i0 += R) {
           const float* a[R];
           int rlo[R], rhi[R], first, j0, end;
-          int count = load_block(q, qs, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
+          int count = load_block(q, qs, tb, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
           block_span(rlo, rhi, count, &first, &j0, &end);
           rows_by_columns(a, kt + j0, padded, D, (int)round_up(end - j0, TILE), scores, padded);
           float inverse[R];
@@ -147,7 +194,7 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
             for (; j <= u; j++) sum += (s[j] = expf(s[j] - m));
             for (j = first; j < l; j++) s[j] = 0.0f;
             for (j = u + 1; j < end; j++) s[j] = 0.0f;
-            inverse[r] = 1.0f / sum;
+            inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f; /* a query that sees no key: zeros */
             if (r < count) lse[((long)b * Hq + h) * S + i0 + r] = m + logf(sum);
           }
           for (int dc = 0; dc < D; dc += TILE) {
@@ -170,27 +217,34 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
       }
     }
     free(kt);
+    free(krows);
     free(scores);
     free(rows);
   }
 }
 
 /* backward: grad_q, grad_k, grad_v from grad_out and the forward's q, k, v, out and lse, the same intervals.
- * strides: q, k, v, out, grad_out, grad_q, grad_k, grad_v. With P = exp(scores - lse), D_i = grad_out_i · out_i
- * and dS = P (grad_out vᵀ - D): grad_v = Pᵀ grad_out, grad_q = scale dS k, grad_k = scale dSᵀ q. */
+ * strides: q, k, v, out, grad_out, grad_q, grad_k, grad_v, then the tables'. With P = exp(scores - lse), D_i = grad_out_i · out_i
+ * and dS = P (grad_out vᵀ - D): grad_v = Pᵀ grad_out, grad_q = scale dS k, grad_k = scale dSᵀ q (q and k RoPE'd,
+ * and these two rotated back). grad_q, grad_k and grad_v may be parts of one stacked gradient. */
 void bios_interval_attention_backward(const float* q, const float* k, const float* v, const float* out,
                                       const float* lse, const float* grad_out, float* grad_q, float* grad_k,
-                                      float* grad_v, const long* strides, const int* lo, const int* hi, int B, int S,
-                                      int Hq, int Hkv, int D, float scale, int threads) {
+                                      float* grad_v, const long* strides, const int* lo, const int* hi,
+                                      const float* cos, const float* sin, int B, int S, int Hq, int Hkv, int D,
+                                      float scale, int threads) {
   strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
            vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]},
            gos = {strides[12], strides[13], strides[14]}, gqs = {strides[15], strides[16], strides[17]},
            gks = {strides[18], strides[19], strides[20]}, gvs = {strides[21], strides[22], strides[23]};
+  tables tb = {cos, sin, strides[24], strides[25]}, none = {0};
   int G = Hq / Hkv, padded = (int)round_up(S, TILE);
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     float* kt = aligned_alloc(64, sizeof(float) * D * padded);
     float* vt = aligned_alloc(64, sizeof(float) * D * padded);
+    float* krows = aligned_alloc(64, sizeof(float) * D * padded);
+    float* vrows = aligned_alloc(64, sizeof(float) * D * padded);
+    float* grad_q_rows = aligned_alloc(64, sizeof(float) * R * D);
     float* dk = aligned_alloc(64, sizeof(float) * padded * D);
     float* dv = aligned_alloc(64, sizeof(float) * padded * D);
     float* p = aligned_alloc(64, sizeof(float) * R * padded);
@@ -200,9 +254,8 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
     #pragma omp for schedule(static)
     for (int task = 0; task < B * Hkv; task++) {
       int b = task / Hkv, hk = task % Hkv;
-      const float* keys = k + b * ks.batch + hk * ks.head;
-      transpose_rows(keys, ks.position, S, D, kt, padded);
-      transpose_rows(v + b * vs.batch + hk * vs.head, vs.position, S, D, vt, padded);
+      load_keys(k + b * ks.batch + hk * ks.head, ks.position, tb, b, S, D, krows, kt, padded);
+      load_keys(v + b * vs.batch + hk * vs.head, vs.position, none, b, S, D, vrows, vt, padded);
       for (long x = 0; x < (long)padded * D; x++) dk[x] = dv[x] = 0.0f;
       for (int h = hk * G; h < (hk + 1) * G; h++) {
         for (int i0 = 0; i0 < S; i0 += R) {
@@ -210,7 +263,7 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
           const float* ga[R];
           int rlo[R], rhi[R], first, j0, end;
           float delta[R], log_sum[R];
-          int count = load_block(q, qs, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
+          int count = load_block(q, qs, tb, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
           for (int r = 0; r < R; r++) {
             int i = r < count ? i0 + r : i0 + count - 1;
             const float* g = grad_out + b * gos.batch + i * gos.position + h * gos.head;
@@ -251,29 +304,33 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
           for (int dc = 0; dc < D; dc += TILE) { /* grad_q_r = scale Σ_j dS[r][j] k_j */
             vec acc[R][2] = {{{0}}};
             for (int j = first; j < end; j++) {
-              vec k0 = vload(keys + j * ks.position + dc), k1 = vload(keys + j * ks.position + dc + VW);
+              vec k0 = vload(krows + (long)j * D + dc), k1 = vload(krows + (long)j * D + dc + VW);
               for (int r = 0; r < R; r++) {
                 float d = ds[r * padded + j - j0];
                 acc[r][0] += d * k0;
                 acc[r][1] += d * k1;
               }
             }
-            for (int r = 0; r < count; r++) {
-              float* g = grad_q + b * gqs.batch + (i0 + r) * gqs.position + h * gqs.head + dc;
-              vstore(g, acc[r][0] * scale);
-              vstore(g + VW, acc[r][1] * scale);
+            for (int r = 0; r < R; r++) {
+              vstore(grad_q_rows + r * D + dc, acc[r][0] * scale);
+              vstore(grad_q_rows + r * D + dc + VW, acc[r][1] * scale);
             }
           }
+          for (int r = 0; r < count; r++)
+            rotate_back(grad_q_rows + r * D, tb, b, i0 + r, D,
+                        grad_q + b * gqs.batch + (i0 + r) * gqs.position + h * gqs.head);
         }
       }
-      for (int j = 0; j < S; j++)
-        for (int e = 0; e < D; e++) {
-          grad_k[b * gks.batch + j * gks.position + hk * gks.head + e] = dk[(long)j * D + e];
-          grad_v[b * gvs.batch + j * gvs.position + hk * gvs.head + e] = dv[(long)j * D + e];
-        }
+      for (int j = 0; j < S; j++) {
+        rotate_back(dk + (long)j * D, tb, b, j, D, grad_k + b * gks.batch + j * gks.position + hk * gks.head);
+        rotate_back(dv + (long)j * D, none, b, j, D, grad_v + b * gvs.batch + j * gvs.position + hk * gvs.head);
+      }
     }
     free(kt);
     free(vt);
+    free(krows);
+    free(vrows);
+    free(grad_q_rows);
     free(dk);
     free(dv);
     free(p);
