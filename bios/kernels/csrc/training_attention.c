@@ -71,6 +71,20 @@ static inline float hsum(vec v) {
 
 static inline long round_up(long n, long to) { return (n + to - 1) / to * to; }
 
+/* The largest of s[l..u] (-inf if none), VW lanes at a time: a scalar running max is a chain of dependent maxes. */
+static float row_max(const float* s, int l, int u) {
+  vec best = (vec){0} - INFINITY;
+  int j = l;
+  for (; j + VW <= u + 1; j += VW) {
+    vec v = vload(s + j);
+    best = blend(v > best, v, best);
+  }
+  float m = -INFINITY;
+  for (int t = 0; t < VW; t++) m = best[t] > m ? best[t] : m;
+  for (; j <= u; j++) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
 /* out[r][j] = Σ_e a[r][e] · bt[e][j] for r < R and j < n (n a multiple of TILE), bt's rows `ld` apart. */
 static void rows_by_columns(const float* const* a, const float* bt, long ld, int d, int n, float* out, long ld_out) {
   for (int j = 0; j < n; j += TILE) {
@@ -181,8 +195,7 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
           for (int r = 0; r < R; r++) {
             float* s = scores + r * padded - j0; /* s[j] is key j's score */
             int l = rlo[r], u = rhi[r];
-            float m = -INFINITY, sum = 0.0f;
-            for (int j = l; j <= u; j++) m = s[j] > m ? s[j] : m;
+            float m = row_max(s, l, u), sum = 0.0f;
             int j = l;
             vec total = {0};
             for (; j + VW <= u + 1; j += VW) {
