@@ -3,14 +3,18 @@
 PyTorch's CPU flash attention multiplies every query by every key of a row of up to 512 and masks the causal half
 afterwards: with `is_causal` it takes as long as without (SmolLM2's 4 rows x 128 positions, 9 query heads over 3
 kv heads: 3.7-4.0 ms a layer forward and backward either way, AVX2 code, 2 threads). A causal row, a row of
-packed sequences (each query sees its own sequence up to itself) and a sliding window all give each query one
-interval of keys, `lo[b, i]..hi[b, i]`; `csrc/training_attention.c` multiplies a block of queries only by the
-keys their intervals span and writes the output in the [batch, position, head, dim] layout the output projection
-reads (no transposed copy). Forward and backward agree with SDPA to fp32 rounding (`tests/test_interval_attention.py`).
+packed sequences (each query sees its own sequence up to itself), a sliding window and a right-padded row all
+give each query one interval of keys, `lo[b, i]..hi[b, i]` (or none: a left pad's query, whose output is zeros);
+`csrc/training_attention.c` multiplies a block of queries only by the keys their intervals span and writes the
+output in the [batch, position, head, dim] layout the output projection reads: 2.8-2.9 ms for that layer.
+`stacked_attention` takes a stacked q/k/v projection output as it is and RoPE's its queries and keys in the
+kernel, forward and backward, so the rotation, the split into q, k, v and the concatenation of their gradients
+are no passes of their own: 3.0-3.2 ms against 4.0-4.4 for the rotary kernel then `interval_attention`. Forward and
+backward agree with SDPA (and Transformers' RoPE) in float64 to fp32 rounding (`tests/test_interval_attention.py`).
 
 `key_intervals` reads the intervals off what Transformers hands an attention function (no mask and a causal
-module, or a boolean mask whose every row is one non-empty interval); `suits` says whether the kernel takes the
-tensors (fp32 on CPU, head width a multiple of two vectors, as many keys as queries, the C kernels built).
+module, or a boolean mask whose every row is one interval or empty); `suits` says whether the kernel takes the
+tensors (CPU, a head width the kernel's tiles divide, as many keys as queries, the C kernels built).
 """
 
 from __future__ import annotations

@@ -281,12 +281,13 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
             int i = r < count ? i0 + r : i0 + count - 1;
             const float* g = grad_out + b * gos.batch + i * gos.position + h * gos.head;
             const float* o = out + b * os.batch + i * os.position + h * os.head;
-            float dot = 0.0f;
-            for (int e = 0; e < D; e++) {
-              grad_rows[r * D + e] = r < count ? g[e] : 0.0f; /* a repeated row adds nothing to dk, dv */
-              dot += g[e] * o[e];
+            vec dot = {0};
+            for (int e = 0; e < D; e += VW) {
+              vec ge = vload(g + e);
+              vstore(grad_rows + r * D + e, r < count ? ge : (vec){0}); /* a repeated row adds nothing to dk, dv */
+              dot += ge * vload(o + e);
             }
-            delta[r] = dot;
+            delta[r] = hsum(dot);
             log_sum[r] = lse[((long)b * Hq + h) * S + i];
             ga[r] = grad_rows + r * D;
           }
