@@ -18,7 +18,7 @@
 
 #include "vec.h"
 
-#define R 4           /* query rows per block */
+#define R (VW == 16 ? 8 : 6) /* query rows per block: register tiles of R x 2 vectors (AVX-512 has twice the registers) */
 #define TILE (2 * VW) /* keys per register tile */
 
 typedef struct {
@@ -104,10 +104,12 @@ static void rows_by_columns(const float* const* a, const float* bt, long ld, int
   }
 }
 
-/* One kv head's n rows (`ld` apart; batch row b), RoPE'd by the tables, into rows [n][d] and their transpose
- * t[d][padded] (zero past n). */
+/* One kv head's n rows (`ld` apart; batch row b), RoPE'd by the tables, into rows [n][d], contiguous (a stacked
+ * projection's rows are kilobytes apart: read in place, each would be a cache line and a page of its own), and
+ * unless t is NULL their transpose t[d][padded] (zero past n). */
 static void load_keys(const float* keys, long ld, tables tb, int b, int n, int d, float* rows, float* t, int padded) {
   for (int j = 0; j < n; j++) rotate_in(keys + j * ld, tb, b, j, d, 1.0f, rows + (long)j * d);
+  if (!t) return;
   for (int j = 0; j < padded; j++)
     for (int e = 0; e < d; e++) t[(long)e * padded + j] = j < n ? rows[(long)j * d + e] : 0.0f;
 }
@@ -171,19 +173,20 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
                              int B, int S, int Hq, int Hkv, int D, float scale, int threads) {
   strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
            vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]};
-  tables tb = {cos, sin, strides[12], strides[13]};
+  tables tb = {cos, sin, strides[12], strides[13]}, none = {0};
   int G = Hq / Hkv, padded = (int)round_up(S, TILE);
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     float* kt = aligned_alloc(64, sizeof(float) * D * padded);
     float* krows = aligned_alloc(64, sizeof(float) * D * padded);
+    float* values = aligned_alloc(64, sizeof(float) * D * padded);
     float* scores = aligned_alloc(64, sizeof(float) * R * padded);
     float* rows = aligned_alloc(64, sizeof(float) * R * D);
     #pragma omp for schedule(static)
     for (int task = 0; task < B * Hkv; task++) {
       int b = task / Hkv, hk = task % Hkv;
-      const float* values = v + b * vs.batch + hk * vs.head;
       load_keys(k + b * ks.batch + hk * ks.head, ks.position, tb, b, S, D, krows, kt, padded);
+      load_keys(v + b * vs.batch + hk * vs.head, vs.position, none, b, S, D, values, NULL, padded);
       for (int h = hk * G; h < (hk + 1) * G; h++) {
         for (int i0 = 0; i0 < S; i0 += R) {
           const float* a[R];
@@ -213,7 +216,7 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
           for (int dc = 0; dc < D; dc += TILE) {
             vec acc[R][2] = {{{0}}};
             for (int j = first; j < end; j++) {
-              vec v0 = vload(values + j * vs.position + dc), v1 = vload(values + j * vs.position + dc + VW);
+              vec v0 = vload(values + (long)j * D + dc), v1 = vload(values + (long)j * D + dc + VW);
               for (int r = 0; r < R; r++) {
                 float p = scores[r * padded + j - j0];
                 acc[r][0] += p * v0;
@@ -231,6 +234,7 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
     }
     free(kt);
     free(krows);
+    free(values);
     free(scores);
     free(rows);
   }
