@@ -85,9 +85,11 @@ static float row_max(const float* s, int l, int u) {
   return m;
 }
 
-/* out[r][j] = Σ_e a[r][e] · bt[e][j] for r < R and j < n (n a multiple of TILE), bt's rows `ld` apart. */
+/* out[r][j] = Σ_e a[r][e] · bt[e][j] for r < R and j < n (n a multiple of VW), bt's rows `ld` apart: tiles of
+ * two vectors of keys, and one vector at the end where n is an odd number of them. */
 static void rows_by_columns(const float* const* a, const float* bt, long ld, int d, int n, float* out, long ld_out) {
-  for (int j = 0; j < n; j += TILE) {
+  int j = 0;
+  for (; j + TILE <= n; j += TILE) {
     vec acc[R][2] = {{{0}}};
     for (int e = 0; e < d; e++) {
       vec b0 = vload(bt + e * ld + j), b1 = vload(bt + e * ld + j + VW);
@@ -102,6 +104,14 @@ static void rows_by_columns(const float* const* a, const float* bt, long ld, int
       vstore(out + r * ld_out + j + VW, acc[r][1]);
     }
   }
+  if (j < n) {
+    vec acc[R] = {{0}};
+    for (int e = 0; e < d; e++) {
+      vec b0 = vload(bt + e * ld + j);
+      for (int r = 0; r < R; r++) acc[r] += a[r][e] * b0;
+    }
+    for (int r = 0; r < R; r++) vstore(out + r * ld_out + j, acc[r]);
+  }
 }
 
 /* One kv head's n rows (`ld` apart; batch row b), RoPE'd by the tables, into rows [n][d], contiguous (a stacked
@@ -115,7 +125,7 @@ static void load_keys(const float* keys, long ld, tables tb, int b, int n, int d
 }
 
 /* One block's shared key span: the smallest first key, one past the largest last key, the first rounded down to
- * a tile. Rows past the sequence (r >= rows) do not count. */
+ * a vector. Rows past the sequence (r >= rows) do not count. */
 static void block_span(const int* lo, const int* hi, int rows, int* first, int* tiled_first, int* end) {
   int a = lo[0], b = hi[0];
   for (int r = 1; r < rows; r++) {
@@ -123,7 +133,7 @@ static void block_span(const int* lo, const int* hi, int rows, int* first, int* 
     b = hi[r] > b ? hi[r] : b;
   }
   *first = a;
-  *tiled_first = a / TILE * TILE;
+  *tiled_first = a / VW * VW;
   *end = b + 1;
 }
 
@@ -193,7 +203,7 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
           int rlo[R], rhi[R], first, j0, end;
           int count = load_block(q, qs, tb, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
           block_span(rlo, rhi, count, &first, &j0, &end);
-          rows_by_columns(a, kt + j0, padded, D, (int)round_up(end - j0, TILE), scores, padded);
+          rows_by_columns(a, kt + j0, padded, D, (int)round_up(end - j0, VW), scores, padded);
           float inverse[R];
           for (int r = 0; r < R; r++) {
             float* s = scores + r * padded - j0; /* s[j] is key j's score */
@@ -296,7 +306,7 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
             ga[r] = grad_rows + r * D;
           }
           block_span(rlo, rhi, count, &first, &j0, &end);
-          int n = (int)round_up(end - j0, TILE);
+          int n = (int)round_up(end - j0, VW);
           rows_by_columns(a, kt + j0, padded, D, n, p, padded);
           rows_by_columns(ga, vt + j0, padded, D, n, ds, padded);
           for (int r = 0; r < R; r++) {
