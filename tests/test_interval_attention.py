@@ -149,6 +149,19 @@ def test_masks_that_are_not_one_interval_per_query_are_refused():
         assert key_intervals(mask, True, BATCH, 16) is None
 
 
+def test_what_the_kernel_would_misread_is_refused_with_what_was_given():
+    query, key, value = _qkv(16)
+    lo, hi = key_intervals(None, True, BATCH, 16)
+    with pytest.raises(TypeError, match="fp32 CPU"):
+        interval_attention(query.double(), key.double(), value.double(), lo, hi, 0.1)
+    with pytest.raises(ValueError, match=r"int32 \[2, 16\]"):
+        interval_attention(query, key, value, lo[:, :8], hi, 0.1)
+    qkv = query._base
+    cos, sin = _tables(15, 1)  # one position short
+    with pytest.raises(ValueError, match=r"cos and sin must be \[2 or 1, 16, 32\]"):
+        stacked_attention(qkv, HEADS, KV_HEADS, lo, hi, 0.1, cos, sin)
+
+
 def test_what_the_kernel_does_not_take(monkeypatch):
     query, key, value = _qkv(16)
     assert not suits(query[..., :24], key[..., :24], value[..., :24])  # a width the tiles do not divide

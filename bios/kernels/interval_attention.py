@@ -88,6 +88,7 @@ def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi
     """softmax(scale q kᵀ over each query's interval) v for fp32 query [B, Hq, S, D] and key, value [B, Hkv, S, D]
     (any strides with D contiguous; `suits` must hold), returned as [B, S, Hq, D] (contiguous), the layout
     Transformers' attention functions return. Differentiable in query, key and value."""
+    _check(query, lo, hi, (query, key, value))
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _IntervalAttention.apply(query, key, value, lo, hi, scale)
     return _forward(*(_by_position(t) for t in (query, key, value)), lo, hi, scale, None)[0]
@@ -100,13 +101,19 @@ def stacked_attention(qkv: Tensor, heads: int, kv_heads: int, lo: Tensor, hi: Te
     into the kernel: [B, S, heads x D]. Its gradient comes back as one tensor like qkv, so nothing is rotated,
     split or concatenated outside the kernel, forward or backward."""
     width = qkv.shape[-1] // (heads + 2 * kv_heads)
+    query, key, value = split_stacked(qkv, heads, kv_heads)
+    _check(query.transpose(1, 2), lo, hi, (qkv,))
     if cos is not None:  # the kernel reads fp32 tables, a row per batch row and position
+        if cos.shape != sin.shape or cos.shape[-2:] != (qkv.shape[1], width) or cos.dim() != 3 \
+                or cos.shape[0] not in (1, qkv.shape[0]):
+            raise ValueError(f"stacked_attention: cos and sin must be [{qkv.shape[0]} or 1, {qkv.shape[1]}, {width}] "
+                             f"for qkv {tuple(qkv.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         cos, sin = (t.to(torch.float32).expand(qkv.shape[0], -1, -1) for t in (cos, rotary.signed_sin(sin)))
         cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     if torch.is_grad_enabled() and qkv.requires_grad:
         out = _StackedAttention.apply(qkv, heads, kv_heads, lo, hi, scale, cos, sin)
     else:
-        out = _forward(*split_stacked(qkv, heads, kv_heads), lo, hi, scale, (cos, sin) if cos is not None else None)[0]
+        out = _forward(query, key, value, lo, hi, scale, (cos, sin) if cos is not None else None)[0]
     return out.view(*qkv.shape[:-1], heads * width)
 
 
@@ -115,6 +122,17 @@ def split_stacked(qkv: Tensor, heads: int, kv_heads: int) -> list[Tensor]:
     width = qkv.shape[-1] // (heads + 2 * kv_heads)
     parts = qkv.split([heads * width, kv_heads * width, kv_heads * width], dim=-1)
     return [part.unflatten(-1, (-1, width)) for part in parts]
+
+
+def _check(query: Tensor, lo: Tensor, hi: Tensor, tensors: tuple[Tensor, ...]) -> None:
+    """What the kernel reads without checking: fp32 CPU tensors, int32 intervals [B, S] of the query [B, H, S, D]."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        raise TypeError("interval attention takes fp32 CPU tensors, got "
+                        + ", ".join(f"{t.dtype} on {t.device}" for t in tensors))
+    expected = (query.shape[0], query.shape[2])
+    if any(t.dtype != torch.int32 or tuple(t.shape) != expected or not t.is_contiguous() for t in (lo, hi)):
+        raise ValueError(f"interval attention: lo and hi must be contiguous int32 {list(expected)} (key_intervals), "
+                         f"got {lo.dtype} {tuple(lo.shape)} and {hi.dtype} {tuple(hi.shape)}")
 
 
 def _by_position(t: Tensor) -> Tensor:
@@ -181,7 +199,7 @@ class _StackedAttention(torch.autograd.Function):
         ctx.shape = (heads, kv_heads)
         rotation = (cos, sin) if cos is not None else None
         out, lse = _forward(*split_stacked(qkv, *ctx.shape), lo, hi, scale, rotation)
-        ctx.scale, ctx.rotated = scale, rotation is not None
+        ctx.scale = scale
         ctx.save_for_backward(qkv, out, lse, lo, hi, *(rotation or ()))
         return out
 

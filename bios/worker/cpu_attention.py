@@ -75,12 +75,15 @@ def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: 
     """`cpu_attention` of a stacked q/k/v projection output [B, S, (heads + 2 kv_heads) x D] whose queries and keys
     take RoPE by cos and sin first, in one kernel call each way (`interval_attention.stacked_attention`): the
     attention output [B, S, heads x D]. None where the interval kernel does not apply (not fp32 on CPU, dropout,
-    extras, a mask that is not one interval per query, rotary tables that train): the caller goes the stock way."""
+    extras, a mask that is not one interval per query, rotary tables that train or of another shape): the caller
+    goes the stock way."""
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout or qkv.stride(-1) != 1 \
             or any(kwargs.get(name) is not None for name in _EXTRAS) or cos.requires_grad or sin.requires_grad:
         return None
     query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
-    if not interval_attention.suits(query, key, value) or cos.shape[-1] != query.shape[-1]:
+    tables_fit = cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, qkv.shape[0]) \
+        and cos.shape[1:] == (qkv.shape[1], query.shape[-1])
+    if not tables_fit or not interval_attention.suits(query, key, value):
         return None
     intervals = _intervals(module, attention_mask, qkv.shape[0], qkv.shape[1], kwargs)
     if intervals is None:
