@@ -174,6 +174,84 @@ static void accumulate_rows(const float* w, long ld, int j0, int first, int end,
   }
 }
 
+/* out[r] = scale · Σ_j w[r][j] · m_j over keys j in [first, end), for the block's R rows: m's rows [D] contiguous,
+ * w as in accumulate_rows, out [R][D]. */
+static void weighted_rows(const float* w, long ld, int j0, int first, int end, const float* m, int D, float scale,
+                          float* out) {
+  for (int dc = 0; dc < D; dc += TILE) {
+    vec acc[R][2] = {{{0}}};
+    for (int j = first; j < end; j++) {
+      vec m0 = vload(m + (long)j * D + dc), m1 = vload(m + (long)j * D + dc + VW);
+      for (int r = 0; r < R; r++) {
+        float weight = w[r * ld + j - j0];
+        acc[r][0] += weight * m0;
+        acc[r][1] += weight * m1;
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      vstore(out + r * D + dc, acc[r][0] * scale);
+      vstore(out + r * D + dc + VW, acc[r][1] * scale);
+    }
+  }
+}
+
+/* What both directions share. The call: the tensors' strides and the RoPE tables. */
+typedef struct {
+  strides3 q, k, v, out;
+  tables rope;
+  const int *lo, *hi;
+  int B, S, Hq, Hkv, D, padded;
+  float scale;
+} call;
+
+static call read_call(const long* strides, int tensors, const int* lo, const int* hi, const float* cos,
+                      const float* sin, int B, int S, int Hq, int Hkv, int D, float scale) {
+  call c = {{strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
+            {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11]},
+            {cos, sin, strides[3 * tensors], strides[3 * tensors + 1]}, lo, hi, B, S, Hq, Hkv, D,
+            (int)round_up(S, TILE), scale};
+  return c;
+}
+
+static strides3 strides_at(const long* strides, int tensor) {
+  strides3 s = {strides[3 * tensor], strides[3 * tensor + 1], strides[3 * tensor + 2]};
+  return s;
+}
+
+/* One (batch row, kv head) task's keys, RoPE'd, and values, as contiguous rows [S][D], and the keys' transpose
+ * [D][padded] (and the values', where vt is not NULL). */
+typedef struct {
+  float *keys, *kt, *values, *vt;
+} head;
+
+static void load_head(const call* c, const float* k, const float* v, int b, int hk, head h) {
+  tables none = {0};
+  load_keys(k + b * c->k.batch + hk * c->k.head, c->k.position, c->rope, b, c->S, c->D, h.keys, h.kt, c->padded);
+  load_keys(v + b * c->v.batch + hk * c->v.head, c->v.position, none, b, c->S, c->D, h.values, h.vt, c->padded);
+}
+
+/* One block of R query rows of head h from i0: its scaled, RoPE'd queries (rows [R][D]), their intervals and
+ * shared key span, and their scores against the span's keys, scores[r][j - j0]. */
+typedef struct {
+  const float* a[R];
+  int lo[R], hi[R], count, first, j0, end;
+} block;
+
+static void block_scores(const call* c, const float* q, int b, int h, int i0, const float* kt, float* rows,
+                         float* scores, block* blk) {
+  blk->count = load_block(q, c->q, c->rope, b, h, i0, c->S, c->D, c->scale, c->lo, c->hi, rows, blk->a, blk->lo,
+                          blk->hi);
+  block_span(blk->lo, blk->hi, blk->count, &blk->first, &blk->j0, &blk->end);
+  rows_by_columns(blk->a, kt + blk->j0, c->padded, c->D, (int)round_up(blk->end - blk->j0, VW), scores, c->padded);
+}
+
+/* Per-thread scratch carved from one allocation: `take` hands out n floats at a time, 64-byte aligned. */
+static float* take(float** cursor, long n) {
+  float* p = *cursor;
+  *cursor += round_up(n, 16);
+  return p;
+}
+
 /* forward: out [B][S][Hq][D] and lse [B][Hq][S] (the log of each row's softmax denominator, for backward) from
  * q [B][S][Hq][D], k and v [B][S][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (none if hi < lo:
  * then lo must be 0, and its output is zeros).
@@ -181,33 +259,31 @@ static void accumulate_rows(const float* w, long ld, int j0, int first, int end,
 void bios_interval_attention(const float* q, const float* k, const float* v, float* out, float* lse,
                              const long* strides, const int* lo, const int* hi, const float* cos, const float* sin,
                              int B, int S, int Hq, int Hkv, int D, float scale, int threads) {
-  strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
-           vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]};
-  tables tb = {cos, sin, strides[12], strides[13]}, none = {0};
-  int G = Hq / Hkv, padded = (int)round_up(S, TILE);
+  call c = read_call(strides, 4, lo, hi, cos, sin, B, S, Hq, Hkv, D, scale);
+  int G = Hq / Hkv, padded = c.padded;
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    float* kt = aligned_alloc(64, sizeof(float) * D * padded);
-    float* krows = aligned_alloc(64, sizeof(float) * D * padded);
-    float* values = aligned_alloc(64, sizeof(float) * D * padded);
-    float* scores = aligned_alloc(64, sizeof(float) * R * padded);
-    float* rows = aligned_alloc(64, sizeof(float) * R * D);
+    float* scratch = aligned_alloc(64, sizeof(float) * (3 * round_up((long)D * padded, 16)
+                                                        + 2 * round_up((long)R * padded, 16)
+                                                        + 2 * round_up((long)R * D, 16)));
+    float* cursor = scratch;
+    head kv = {take(&cursor, (long)D * padded), take(&cursor, (long)D * padded), take(&cursor, (long)D * padded),
+               NULL};
+    float* scores = take(&cursor, (long)R * padded);
+    float* rows = take(&cursor, (long)R * D);
+    float* weighted = take(&cursor, (long)R * D);
     #pragma omp for schedule(static)
     for (int task = 0; task < B * Hkv; task++) {
       int b = task / Hkv, hk = task % Hkv;
-      load_keys(k + b * ks.batch + hk * ks.head, ks.position, tb, b, S, D, krows, kt, padded);
-      load_keys(v + b * vs.batch + hk * vs.head, vs.position, none, b, S, D, values, NULL, padded);
+      load_head(&c, k, v, b, hk, kv);
       for (int h = hk * G; h < (hk + 1) * G; h++) {
         for (int i0 = 0; i0 < S; i0 += R) {
-          const float* a[R];
-          int rlo[R], rhi[R], first, j0, end;
-          int count = load_block(q, qs, tb, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
-          block_span(rlo, rhi, count, &first, &j0, &end);
-          rows_by_columns(a, kt + j0, padded, D, (int)round_up(end - j0, VW), scores, padded);
+          block blk;
+          block_scores(&c, q, b, h, i0, kv.kt, rows, scores, &blk);
           float inverse[R];
           for (int r = 0; r < R; r++) {
-            float* s = scores + r * padded - j0; /* s[j] is key j's score */
-            int l = rlo[r], u = rhi[r];
+            float* s = scores + r * padded - blk.j0; /* s[j] is key j's score */
+            int l = blk.lo[r], u = blk.hi[r];
             float m = row_max(s, l, u), sum = 0.0f;
             int j = l;
             vec total = {0};
@@ -218,101 +294,84 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
             }
             sum = hsum(total);
             for (; j <= u; j++) sum += (s[j] = expf(s[j] - m));
-            for (j = first; j < l; j++) s[j] = 0.0f;
-            for (j = u + 1; j < end; j++) s[j] = 0.0f;
+            for (j = blk.first; j < l; j++) s[j] = 0.0f;
+            for (j = u + 1; j < blk.end; j++) s[j] = 0.0f;
             inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f; /* a query that sees no key: zeros */
-            if (r < count) lse[((long)b * Hq + h) * S + i0 + r] = m + logf(sum);
+            if (r < blk.count) lse[((long)b * Hq + h) * S + i0 + r] = m + logf(sum);
           }
-          for (int dc = 0; dc < D; dc += TILE) {
-            vec acc[R][2] = {{{0}}};
-            for (int j = first; j < end; j++) {
-              vec v0 = vload(values + (long)j * D + dc), v1 = vload(values + (long)j * D + dc + VW);
-              for (int r = 0; r < R; r++) {
-                float p = scores[r * padded + j - j0];
-                acc[r][0] += p * v0;
-                acc[r][1] += p * v1;
-              }
-            }
-            for (int r = 0; r < count; r++) {
-              float* o = out + b * os.batch + (i0 + r) * os.position + h * os.head + dc;
-              vstore(o, acc[r][0] * inverse[r]);
-              vstore(o + VW, acc[r][1] * inverse[r]);
-            }
+          weighted_rows(scores, padded, blk.j0, blk.first, blk.end, kv.values, D, 1.0f, weighted);
+          for (int r = 0; r < blk.count; r++) {
+            float* o = out + b * c.out.batch + (i0 + r) * c.out.position + h * c.out.head;
+            for (int e = 0; e < D; e += VW) vstore(o + e, vload(weighted + r * D + e) * inverse[r]);
           }
         }
       }
     }
-    free(kt);
-    free(krows);
-    free(values);
-    free(scores);
-    free(rows);
+    free(scratch);
   }
 }
 
 /* backward: grad_q, grad_k, grad_v from grad_out and the forward's q, k, v, out and lse, the same intervals.
- * strides: q, k, v, out, grad_out, grad_q, grad_k, grad_v, then the tables'. With P = exp(scores - lse), D_i = grad_out_i · out_i
- * and dS = P (grad_out vᵀ - D): grad_v = Pᵀ grad_out, grad_q = scale dS k, grad_k = scale dSᵀ q (q and k RoPE'd,
- * and these two rotated back). grad_q, grad_k and grad_v may be parts of one stacked gradient. */
+ * strides: q, k, v, out, grad_out, grad_q, grad_k, grad_v, then the tables'. With P = exp(scores - lse),
+ * D_i = grad_out_i · out_i and dS = P (grad_out vᵀ - D): grad_v = Pᵀ grad_out, grad_q = scale dS k, grad_k =
+ * scale dSᵀ q (q and k RoPE'd, and these two rotated back). grad_q, grad_k and grad_v may be parts of one
+ * stacked gradient. */
 void bios_interval_attention_backward(const float* q, const float* k, const float* v, const float* out,
                                       const float* lse, const float* grad_out, float* grad_q, float* grad_k,
                                       float* grad_v, const long* strides, const int* lo, const int* hi,
                                       const float* cos, const float* sin, int B, int S, int Hq, int Hkv, int D,
                                       float scale, int threads) {
-  strides3 qs = {strides[0], strides[1], strides[2]}, ks = {strides[3], strides[4], strides[5]},
-           vs = {strides[6], strides[7], strides[8]}, os = {strides[9], strides[10], strides[11]},
-           gos = {strides[12], strides[13], strides[14]}, gqs = {strides[15], strides[16], strides[17]},
-           gks = {strides[18], strides[19], strides[20]}, gvs = {strides[21], strides[22], strides[23]};
-  tables tb = {cos, sin, strides[24], strides[25]}, none = {0};
-  int G = Hq / Hkv, padded = (int)round_up(S, TILE);
+  call c = read_call(strides, 8, lo, hi, cos, sin, B, S, Hq, Hkv, D, scale);
+  strides3 gos = strides_at(strides, 4), gqs = strides_at(strides, 5), gks = strides_at(strides, 6),
+           gvs = strides_at(strides, 7);
+  tables none = {0};
+  int G = Hq / Hkv, padded = c.padded;
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    float* kt = aligned_alloc(64, sizeof(float) * D * padded);
-    float* vt = aligned_alloc(64, sizeof(float) * D * padded);
-    float* krows = aligned_alloc(64, sizeof(float) * D * padded);
-    float* vrows = aligned_alloc(64, sizeof(float) * D * padded);
-    float* grad_q_rows = aligned_alloc(64, sizeof(float) * R * D);
-    float* dk = aligned_alloc(64, sizeof(float) * padded * D);
-    float* dv = aligned_alloc(64, sizeof(float) * padded * D);
-    float* p = aligned_alloc(64, sizeof(float) * R * padded);
-    float* ds = aligned_alloc(64, sizeof(float) * R * padded);
-    float* rows = aligned_alloc(64, sizeof(float) * R * D);
-    float* grad_rows = aligned_alloc(64, sizeof(float) * R * D);
+    float* scratch = aligned_alloc(64, sizeof(float) * (6 * round_up((long)D * padded, 16)
+                                                        + 2 * round_up((long)R * padded, 16)
+                                                        + 3 * round_up((long)R * D, 16)));
+    float* cursor = scratch;
+    head kv = {take(&cursor, (long)D * padded), take(&cursor, (long)D * padded), take(&cursor, (long)D * padded),
+               take(&cursor, (long)D * padded)};
+    float* dk = take(&cursor, (long)D * padded);
+    float* dv = take(&cursor, (long)D * padded);
+    float* p = take(&cursor, (long)R * padded);
+    float* ds = take(&cursor, (long)R * padded);
+    float* rows = take(&cursor, (long)R * D);
+    float* grad_rows = take(&cursor, (long)R * D);
+    float* grad_q_rows = take(&cursor, (long)R * D);
     #pragma omp for schedule(static)
     for (int task = 0; task < B * Hkv; task++) {
       int b = task / Hkv, hk = task % Hkv;
-      load_keys(k + b * ks.batch + hk * ks.head, ks.position, tb, b, S, D, krows, kt, padded);
-      load_keys(v + b * vs.batch + hk * vs.head, vs.position, none, b, S, D, vrows, vt, padded);
+      load_head(&c, k, v, b, hk, kv);
       for (long x = 0; x < (long)padded * D; x++) dk[x] = dv[x] = 0.0f;
       for (int h = hk * G; h < (hk + 1) * G; h++) {
         for (int i0 = 0; i0 < S; i0 += R) {
-          const float* a[R];
+          block blk;
+          block_scores(&c, q, b, h, i0, kv.kt, rows, p, &blk);
           const float* ga[R];
-          int rlo[R], rhi[R], first, j0, end;
           float delta[R], log_sum[R];
-          int count = load_block(q, qs, tb, b, h, i0, S, D, scale, lo, hi, rows, a, rlo, rhi);
           for (int r = 0; r < R; r++) {
-            int i = r < count ? i0 + r : i0 + count - 1;
+            int i = r < blk.count ? i0 + r : i0 + blk.count - 1;
             const float* g = grad_out + b * gos.batch + i * gos.position + h * gos.head;
-            const float* o = out + b * os.batch + i * os.position + h * os.head;
+            const float* o = out + b * c.out.batch + i * c.out.position + h * c.out.head;
             vec dot = {0};
             for (int e = 0; e < D; e += VW) {
               vec ge = vload(g + e);
-              vstore(grad_rows + r * D + e, r < count ? ge : (vec){0}); /* a repeated row adds nothing to dk, dv */
+              vstore(grad_rows + r * D + e, r < blk.count ? ge : (vec){0}); /* a repeated row adds nothing */
               dot += ge * vload(o + e);
             }
             delta[r] = hsum(dot);
             log_sum[r] = lse[((long)b * Hq + h) * S + i];
             ga[r] = grad_rows + r * D;
           }
-          block_span(rlo, rhi, count, &first, &j0, &end);
-          int n = (int)round_up(end - j0, VW);
-          rows_by_columns(a, kt + j0, padded, D, n, p, padded);
-          rows_by_columns(ga, vt + j0, padded, D, n, ds, padded);
+          int j0 = blk.j0, first = blk.first, end = blk.end;
+          rows_by_columns(ga, kv.vt + j0, padded, D, (int)round_up(end - j0, VW), ds, padded);
           for (int r = 0; r < R; r++) {
             float* pr = p + r * padded - j0;
             float* dr = ds + r * padded - j0;
-            int l = rlo[r], u = r < count ? rhi[r] : l - 1, j;
+            int l = blk.lo[r], u = r < blk.count ? blk.hi[r] : l - 1, j;
             for (j = first; j < l; j++) pr[j] = dr[j] = 0.0f;
             for (j = l; j + VW <= u + 1; j += VW) {
               vec weight = vexp(vload(pr + j) - log_sum[r]);
@@ -329,41 +388,17 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
             accumulate_rows(p, padded, j0, first, end, grad_rows + dc, D, dv + dc, D);
             accumulate_rows(ds, padded, j0, first, end, rows + dc, D, dk + dc, D);
           }
-          for (int dc = 0; dc < D; dc += TILE) { /* grad_q_r = scale Σ_j dS[r][j] k_j */
-            vec acc[R][2] = {{{0}}};
-            for (int j = first; j < end; j++) {
-              vec k0 = vload(krows + (long)j * D + dc), k1 = vload(krows + (long)j * D + dc + VW);
-              for (int r = 0; r < R; r++) {
-                float d = ds[r * padded + j - j0];
-                acc[r][0] += d * k0;
-                acc[r][1] += d * k1;
-              }
-            }
-            for (int r = 0; r < R; r++) {
-              vstore(grad_q_rows + r * D + dc, acc[r][0] * scale);
-              vstore(grad_q_rows + r * D + dc + VW, acc[r][1] * scale);
-            }
-          }
-          for (int r = 0; r < count; r++)
-            rotate_back(grad_q_rows + r * D, tb, b, i0 + r, D,
+          weighted_rows(ds, padded, j0, first, end, kv.keys, D, scale, grad_q_rows); /* grad_q = scale dS k */
+          for (int r = 0; r < blk.count; r++)
+            rotate_back(grad_q_rows + r * D, c.rope, b, i0 + r, D,
                         grad_q + b * gqs.batch + (i0 + r) * gqs.position + h * gqs.head);
         }
       }
       for (int j = 0; j < S; j++) {
-        rotate_back(dk + (long)j * D, tb, b, j, D, grad_k + b * gks.batch + j * gks.position + hk * gks.head);
+        rotate_back(dk + (long)j * D, c.rope, b, j, D, grad_k + b * gks.batch + j * gks.position + hk * gks.head);
         rotate_back(dv + (long)j * D, none, b, j, D, grad_v + b * gvs.batch + j * gvs.position + hk * gvs.head);
       }
     }
-    free(kt);
-    free(vt);
-    free(krows);
-    free(vrows);
-    free(grad_q_rows);
-    free(dk);
-    free(dv);
-    free(p);
-    free(ds);
-    free(rows);
-    free(grad_rows);
+    free(scratch);
   }
 }
