@@ -245,11 +245,26 @@ static void block_scores(const call* c, const float* q, int b, int h, int i0, co
   rows_by_columns(blk->a, kt + blk->j0, c->padded, c->D, (int)round_up(blk->end - blk->j0, VW), scores, c->padded);
 }
 
-/* Per-thread scratch carved from one allocation: `take` hands out n floats at a time, 64-byte aligned. */
+/* Per-thread scratch carved from one allocation: `matrices` of [D][padded] floats, `blocks` of [R][padded] and
+ * `row_sets` of [R][D]; `take` hands them out one at a time, 64-byte aligned. */
+static float* scratch_for(const call* c, int matrices, int blocks, int row_sets) {
+  return aligned_alloc(64, sizeof(float) * (matrices * round_up((long)c->D * c->padded, 16)
+                                            + blocks * round_up((long)R * c->padded, 16)
+                                            + row_sets * round_up((long)R * c->D, 16)));
+}
+
 static float* take(float** cursor, long n) {
   float* p = *cursor;
   *cursor += round_up(n, 16);
   return p;
+}
+
+/* A task's head buffers from the scratch; the values' transpose only where `transposed_values`. */
+static head take_head(float** cursor, const call* c, int transposed_values) {
+  long n = (long)c->D * c->padded;
+  head h = {take(cursor, n), take(cursor, n), take(cursor, n), NULL};
+  if (transposed_values) h.vt = take(cursor, n);
+  return h;
 }
 
 /* forward: out [B][S][Hq][D] and lse [B][Hq][S] (the log of each row's softmax denominator, for backward) from
@@ -263,12 +278,9 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
   int G = Hq / Hkv, padded = c.padded;
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    float* scratch = aligned_alloc(64, sizeof(float) * (3 * round_up((long)D * padded, 16)
-                                                        + 2 * round_up((long)R * padded, 16)
-                                                        + 2 * round_up((long)R * D, 16)));
+    float* scratch = scratch_for(&c, 3, 1, 2);
     float* cursor = scratch;
-    head kv = {take(&cursor, (long)D * padded), take(&cursor, (long)D * padded), take(&cursor, (long)D * padded),
-               NULL};
+    head kv = take_head(&cursor, &c, 0);
     float* scores = take(&cursor, (long)R * padded);
     float* rows = take(&cursor, (long)R * D);
     float* weighted = take(&cursor, (long)R * D);
@@ -328,12 +340,9 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
   int G = Hq / Hkv, padded = c.padded;
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    float* scratch = aligned_alloc(64, sizeof(float) * (6 * round_up((long)D * padded, 16)
-                                                        + 2 * round_up((long)R * padded, 16)
-                                                        + 3 * round_up((long)R * D, 16)));
+    float* scratch = scratch_for(&c, 6, 2, 3);
     float* cursor = scratch;
-    head kv = {take(&cursor, (long)D * padded), take(&cursor, (long)D * padded), take(&cursor, (long)D * padded),
-               take(&cursor, (long)D * padded)};
+    head kv = take_head(&cursor, &c, 1);
     float* dk = take(&cursor, (long)D * padded);
     float* dv = take(&cursor, (long)D * padded);
     float* p = take(&cursor, (long)R * padded);
