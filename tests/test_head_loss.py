@@ -180,4 +180,8 @@ def test_the_engine_gives_the_same_losses_and_gradients_with_and_without_the_fus
     expected_loss = -sum(float((w * q.to_torch()).sum()) for w, q in zip(weights, sampler))
     assert ce.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     assert fused.pending_grad.abs().sum() > 0
-    torch.testing.assert_close(fused.pending_grad, plain.pending_grad, atol=1e-6, rtol=1e-4)
+    # a few fp32 ulps at the gradients' scale (up to ~12 here): the two heads' sums round apart, and that
+    # difference goes back through every layer's attention and products
+    scale = float(plain.pending_grad.abs().max())
+    torch.testing.assert_close(fused.pending_grad, plain.pending_grad, atol=4 * torch.finfo(torch.float32).eps * scale,
+                               rtol=1e-4)

@@ -69,6 +69,20 @@ def c_kernels_setting() -> str:
     return value
 
 
+def c_library_for(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+                  whole: bool = True) -> ctypes.CDLL | None:
+    """The kernels' library where they may take these tensors, else None (the caller keeps PyTorch's ops): all on
+    CPU and of one dtype among `dtypes`, laid out as the kernel reads them (`whole`: contiguous; else rows at any
+    stride, the last dim contiguous), and the kernels built and allowed (`c_kernels`)."""
+    first = tensors[0]
+    if first.dtype not in dtypes or not all(
+            t.dtype == first.dtype and t.device.type == "cpu" and (t.is_contiguous() if whole else t.stride(-1) == 1)
+            for t in tensors):
+        return None
+    kernels = c_kernels()
+    return None if kernels is None else kernels.library
+
+
 def c_compiler() -> str | None:
     """The C compiler the kernels are built with: `$CC`, else `cc`, if it is on PATH."""
     return shutil.which(os.environ.get("CC", "cc"))

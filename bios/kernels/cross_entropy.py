@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bios.kernels.c_kernels import c_kernels
+from bios.kernels.c_kernels import c_library_for
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
 from bios.kernels.lora import lora_b_grad
@@ -268,15 +268,13 @@ def _c_log_softmax_(logits, targets, row_scale, logprobs, lse, grads: bool) -> b
     ops make four passes over the chunk's logits; SmolLM2's 512 x 49152 fp32, 23 -> 14 ms with AVX2 code) for
     fp32 or bf16 logits on CPU (bf16: statistics in fp32, the gradient rounded once, as a cast of the fp32 one:
     no fp32 copy of the logits); whether it ran (not: other dtypes or devices, no C kernels)."""
-    if (logits.dtype not in (torch.float32, torch.bfloat16) or logits.device.type != "cpu"
-            or logits.stride(1) != 1 or logprobs.dtype != torch.float32):
-        return False
-    kernels = c_kernels()
-    if kernels is None:
+    library = c_library_for(logits, dtypes=(torch.float32, torch.bfloat16), whole=False) \
+        if logprobs.dtype == torch.float32 else None
+    if library is None:
         return False
     targets = targets.to(torch.int64).contiguous()  # (held: the kernel reads their memory)
     scale = None if row_scale is None else row_scale.to(torch.float32).contiguous()
-    kernels.library.bios_log_softmax_rows(
+    library.bios_log_softmax_rows(
         logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16), targets.data_ptr(),
         None if scale is None else scale.data_ptr(),
         logprobs.data_ptr(), lse.data_ptr(), logits.shape[0], logits.shape[1], int(grads), torch.get_num_threads())

@@ -28,7 +28,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from bios.kernels.c_kernels import c_kernels
+from bios.kernels.c_kernels import c_library_for
 from bios.kernels.grad_wanted import grad_wanted
 
 
@@ -45,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} must match the last dim of x {tuple(x.shape)}")
     if not grad_wanted(x, weight):
-        library = _c_library(x, weight, dtypes=_NORM_DTYPES)
+        library = c_library_for(x, weight, dtypes=_NORM_DTYPES)
         if library is None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
             return F.rms_norm(x, x.shape[-1:], weight, eps)  # the same ops in one call (its CPU forward composes them)
         return _rms_norm_forward(x, weight, eps, library)[0]
@@ -55,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, library: ctypes.CDLL | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the norm, the per-row inverse RMS) in Hugging Face's LlamaRMSNorm rounding: Bios's C kernel (`library`,
-    `_c_library`'s answer for x and weight) with or without a gradient, so a forward pass and a training pass give
+    `c_library_for`'s answer for x and weight) with or without a gradient, so a forward pass and a training pass give
     the same numbers, else PyTorch's ops."""
     if library is not None:
         n = x.shape[-1]
@@ -75,27 +75,24 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, library
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, inv_rms = _rms_norm_forward(x, weight, eps, _c_library(x, weight, dtypes=_NORM_DTYPES))
+        y, inv_rms = _rms_norm_forward(x, weight, eps, c_library_for(x, weight, dtypes=_NORM_DTYPES))
         ctx.save_for_backward(x, weight, inv_rms)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, inv_rms = ctx.saved_tensors
-        library = _c_library(x, weight, grad_y, dtypes=_NORM_DTYPES)
-        if library is not None and x.dtype == torch.bfloat16 and not ctx.needs_input_grad[1]:
+        library = c_library_for(x, weight, grad_y, dtypes=_NORM_DTYPES)
+        # the bf16 kernel gives grad_x only (a trainable bf16 norm weight takes PyTorch's ops below)
+        if library is not None and (x.dtype == torch.float32 or not ctx.needs_input_grad[1]):
             n = x.shape[-1]
             grad_x = torch.empty_like(x)
-            library.bios_rms_norm_backward_bf16(x.data_ptr(), weight.data_ptr(), inv_rms.data_ptr(),
-                                                grad_y.data_ptr(), grad_x.data_ptr(), x.numel() // n, n,
-                                                torch.get_num_threads())
-            return grad_x, None, None
-        if library is not None and x.dtype == torch.float32:
-            n = x.shape[-1]
-            grad_x = torch.empty_like(x)
+            pointers = (x.data_ptr(), weight.data_ptr(), inv_rms.data_ptr(), grad_y.data_ptr(), grad_x.data_ptr())
+            if x.dtype == torch.bfloat16:
+                library.bios_rms_norm_backward_bf16(*pointers, x.numel() // n, n, torch.get_num_threads())
+                return grad_x, None, None
             grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-            library.bios_rms_norm_backward(x.data_ptr(), weight.data_ptr(), inv_rms.data_ptr(), grad_y.data_ptr(),
-                                           grad_x.data_ptr(), None if grad_weight is None else grad_weight.data_ptr(),
+            library.bios_rms_norm_backward(*pointers, None if grad_weight is None else grad_weight.data_ptr(),
                                            x.numel() // n, n, torch.get_num_threads())
             return grad_x if ctx.needs_input_grad[0] else None, grad_weight, None
         dtype = _compute_dtype(x.dtype)
@@ -160,7 +157,7 @@ def swiglu_stacked(gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_stacked_value(gate_up: torch.Tensor) -> torch.Tensor:
     """`swiglu_stacked`'s forward without autograd, bit for bit."""
-    library = _c_library(gate_up)
+    library = c_library_for(gate_up)
     with torch.no_grad():
         if library is None:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -170,16 +167,6 @@ def swiglu_stacked_value(gate_up: torch.Tensor) -> torch.Tensor:
         library.bios_swiglu(gate_up.data_ptr(), 2 * n, out.data_ptr(), gate_up.numel() // (2 * n), n,
                             torch.get_num_threads())
         return out
-
-
-def _c_library(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> ctypes.CDLL | None:
-    """Bios's C kernels for these tensors: contiguous on CPU, all of one of `dtypes`, where the kernels are built;
-    else None."""
-    if tensors[0].dtype not in dtypes or not all(t.dtype == tensors[0].dtype and t.device.type == "cpu"
-                                                 and t.is_contiguous() for t in tensors):
-        return None
-    kernels = c_kernels()
-    return None if kernels is None else kernels.library
 
 
 class _StackedSwiGLU(torch.autograd.Function):
@@ -192,7 +179,7 @@ class _StackedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_y):
         (gate_up,) = ctx.saved_tensors
         grad = torch.empty_like(gate_up)
-        library = _c_library(gate_up, grad_y)
+        library = c_library_for(gate_up, grad_y)
         n = gate_up.shape[-1] // 2
         if library is not None:
             library.bios_swiglu_backward(gate_up.data_ptr(), 2 * n, grad_y.data_ptr(), n, grad.data_ptr(), 2 * n,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bios.kernels.c_kernels import c_kernels
+from bios.kernels.c_kernels import c_library_for
 from bios.kernels.grad_wanted import grad_wanted
 
 
@@ -54,13 +54,14 @@ def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x·cos + (x's halves swapped)·signed_sin, per head, as a new tensor [..., heads x d]."""
     width = cos.shape[-1]
     rows, heads = cos.numel() // width, x.shape[-1] // width
-    kernels = c_kernels() if _c_eligible(x, cos, signed_sin) else None
-    if kernels is None:
+    library = c_library_for(x, cos, signed_sin, dtypes=(torch.float32, torch.bfloat16), whole=False) \
+        if _one_run_of_rows(x) else None
+    if library is None:
         return _rotate_by_ops(x, cos, signed_sin)
     flat = x.view(rows, x.shape[-1])  # a [batch, tokens, heads x d] slice of a stacked output: rows strided
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()  # (held: the kernel reads their memory)
     out = x.new_empty(x.shape)
-    rotate = kernels.library.bios_rotate_bf16 if x.dtype == torch.bfloat16 else kernels.library.bios_rotate
+    rotate = library.bios_rotate_bf16 if x.dtype == torch.bfloat16 else library.bios_rotate
     rotate(flat.data_ptr(), flat.stride(0), out.data_ptr(), x.shape[-1], rows, heads, width, cos.data_ptr(),
            signed_sin.data_ptr(), torch.get_num_threads())
     return out
@@ -73,12 +74,8 @@ def _rotate_by_ops(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return rotate_heads(by_head, cos.unsqueeze(-2), signed_sin.unsqueeze(-2)).flatten(-2)
 
 
-def _c_eligible(x: Tensor, *tables: Tensor) -> bool:
-    """fp32 or bf16 CPU tensors of one dtype with a contiguous last dim, x's leading dims one run of rows (a view,
-    no copy)."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or not all(
-            t.dtype == x.dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in (x, *tables)):
-        return False
+def _one_run_of_rows(x: Tensor) -> bool:
+    """Whether x's leading dims are one run of rows (a view [rows, last], no copy), as the kernel walks them."""
     try:
         x.view(-1, x.shape[-1])
     except RuntimeError:
