@@ -2,7 +2,7 @@
 `csrc/training_attention.c`): output and the gradients of query, key and value against SDPA in float64 on the same
 mask, for causal rows, packed sequences, a sliding window, full rows, padded rows and pads that see nothing, grouped heads, rows that
 are not a whole number of blocks, both thread counts; a stacked q/k/v output RoPE'd in the kernel against
-Transformers' RoPE then SDPA; the intervals read off masks, and the masks it refuses."""
+Transformers' RoPE then SDPA, and bit for bit against Bios's RoPE then the kernel; the intervals read off masks, and the masks it refuses."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from conftest import needs_c_kernels
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from bios.kernels.interval_attention import interval_attention, key_intervals, stacked_attention, suits
+from bios.kernels.rotary import rotary
 
 pytestmark = [pytest.mark.usefixtures("fresh_c_kernels"), needs_c_kernels]
 
@@ -117,6 +118,27 @@ def test_a_stacked_projection_with_rope_matches_rope_then_sdpa(kind, table_rows,
     torch.testing.assert_close(qkv.grad.double(), exact.grad, atol=2e-5, rtol=0)
     with torch.no_grad():
         assert torch.equal(stacked_attention(qkv, HEADS, KV_HEADS, *intervals, 0.2, cos, sin), out.detach())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_stacked_call_is_rope_then_the_kernel_bit_for_bit(threads, monkeypatch):
+    """RoPE inside the kernel rounds as `bios.kernels.rotary` (Transformers' numbers) does, so the training forward
+    (stacked) and a prompt's prefill (RoPE, then the attention function) see the same bits, and so do gradients."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    query, key, value = _qkv(45, seed=6)
+    cos, sin = _tables(45, BATCH)
+    intervals = key_intervals(_mask("packed", 45), True, BATCH, 45)
+    grad = torch.randn(BATCH, 45, HEADS * WIDTH, generator=torch.Generator().manual_seed(7))
+    stacked = query._base.detach().requires_grad_()
+    out = stacked_attention(stacked, HEADS, KV_HEADS, *intervals, 0.2, cos, sin)
+    out.backward(grad)
+    apart = query._base.detach().requires_grad_()
+    query_key, value = apart.split([(HEADS + KV_HEADS) * WIDTH, KV_HEADS * WIDTH], dim=-1)
+    query, key = rotary(query_key, cos, sin).split([HEADS * WIDTH, KV_HEADS * WIDTH], dim=-1)
+    query, key, value = (part.unflatten(-1, (-1, WIDTH)).transpose(1, 2) for part in (query, key, value))
+    expected = interval_attention(query, key, value, *intervals, 0.2).flatten(-2)
+    expected.backward(grad)
+    assert torch.equal(out, expected) and torch.equal(stacked.grad, apart.grad)
 
 
 def test_no_gradient_wanted_gives_the_same_output():

@@ -117,7 +117,9 @@ def test_topk_prompt_logprobs_with_an_adapter_agree_with_the_training_forward(mo
     reference = forward_logprobs(model, adapter, prompt)
     for position in range(1, len(prompt)):
         (hit,) = np.flatnonzero(ids[position] == prompt[position])
-        assert logprobs[position, hit] == pytest.approx(float(reference[position - 1]), abs=1e-4)
+        # fp32 in other orders (the sampler's merged weights): ~1e-5 relative on this peaked model's logprobs down
+        # to -20 (AVX2 code: -19.64150 against -19.64138)
+        assert logprobs[position, hit] == pytest.approx(float(reference[position - 1]), rel=1e-5, abs=1e-4)
         assert logprobs[position, hit] == pytest.approx(result.prompt_logprobs[position], abs=1e-6)
 
 

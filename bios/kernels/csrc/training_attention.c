@@ -31,9 +31,16 @@ typedef struct {
   long batch, position;
 } tables;
 
+/* RoPE here rounds each product and the sum apart, as PyTorch's ops and `bios_rotate` (csrc/decode_ops.c) do: the
+ * queries and keys it rotates are those bits, so a stacked call computes what RoPE then attention would. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 /* out = RoPE of x's one head [D] at row (b, i), times `scale`: x·cos + (x's halves swapped)·signed sin (a copy
  * where there are no tables). */
 static void rotate_in(const float* x, tables t, int b, int i, int D, float scale, float* out) {
+#ifdef __clang__
+  #pragma clang fp contract(off)
+#endif
   if (!t.cos) {
     for (int e = 0; e < D; e++) out[e] = x[e] * scale;
     return;
@@ -50,6 +57,9 @@ static void rotate_in(const float* x, tables t, int b, int i, int D, float scale
 /* The gradient through `rotate_in` (scale 1) of g [D] at row (b, i), into out: g·cos + (g's halves swapped)·(the
  * signed sin's halves swapped). */
 static void rotate_back(const float* g, tables t, int b, int i, int D, float* out) {
+#ifdef __clang__
+  #pragma clang fp contract(off)
+#endif
   if (!t.cos) {
     for (int e = 0; e < D; e++) out[e] = g[e];
     return;
@@ -62,6 +72,7 @@ static void rotate_back(const float* g, tables t, int b, int i, int D, float* ou
     vstore(out + e, vload(g + e) * vload(c + e) + vload(g + other) * vload(s + other));
   }
 }
+#pragma GCC pop_options
 
 static inline float hsum(vec v) {
   float sum = 0.0f;
@@ -84,7 +95,6 @@ static float row_max(const float* s, int l, int u) {
   for (; j <= u; j++) m = s[j] > m ? s[j] : m;
   return m;
 }
-
 /* out[r][j] = Σ_e a[r][e] · bt[e][j] for r < R and j < n (n a multiple of VW), bt's rows `ld` apart: tiles of
  * two vectors of keys, and one vector at the end where n is an odd number of them. */
 static void rows_by_columns(const float* const* a, const float* bt, long ld, int d, int n, float* out, long ld_out) {
