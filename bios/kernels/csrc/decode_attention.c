@@ -24,25 +24,6 @@ static inline float dot(const float* a, const float* b, int d) {
 
 #define HEADS_AT_ONCE 4 /* query heads of one kv head attended together: each key and value read once for them */
 
-typedef float half_vec __attribute__((vector_size(VW * 2)));
-typedef float quad __attribute__((vector_size(16)));
-
-static inline float hsum(vec v) {
-#if !__has_builtin(__builtin_shufflevector) /* GCC before 12: lane by lane */
-  float sum = 0.0f;
-  for (int t = 0; t < VW; t++) sum += v[t];
-  return sum;
-#else
-#if VW == 16
-  half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-               + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  quad a = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-#else
-  quad a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-#endif
-  return (a[0] + a[2]) + (a[1] + a[3]);
-#endif
-}
 
 /* exp(scores - max) in place over n scores (room for VW past n), their sum. */
 static float softmax_numerators(float* scores, int n) {

@@ -74,12 +74,6 @@ static void rotate_back(const float* g, tables t, int b, int i, int D, float* ou
 }
 #pragma GCC pop_options
 
-static inline float hsum(vec v) {
-  float sum = 0.0f;
-  for (int t = 0; t < VW; t++) sum += v[t];
-  return sum;
-}
-
 static inline long round_up(long n, long to) { return (n + to - 1) / to * to; }
 
 /* The largest of s[l..u] (-inf if none), VW lanes at a time: a scalar running max is a chain of dependent maxes. */
@@ -90,8 +84,7 @@ static float row_max(const float* s, int l, int u) {
     vec v = vload(s + j);
     best = blend(v > best, v, best);
   }
-  float m = -INFINITY;
-  for (int t = 0; t < VW; t++) m = best[t] > m ? best[t] : m;
+  float m = hmax(best);
   for (; j <= u; j++) m = s[j] > m ? s[j] : m;
   return m;
 }
@@ -205,6 +198,12 @@ static void weighted_rows(const float* w, long ld, int j0, int first, int end, c
   }
 }
 
+/* Tensor `tensor`'s batch, position and head strides from the call's list. */
+static strides3 strides_at(const long* strides, int tensor) {
+  strides3 s = {strides[3 * tensor], strides[3 * tensor + 1], strides[3 * tensor + 2]};
+  return s;
+}
+
 /* What both directions share. The call: the tensors' strides and the RoPE tables. */
 typedef struct {
   strides3 q, k, v, out;
@@ -216,16 +215,10 @@ typedef struct {
 
 static call read_call(const long* strides, int tensors, const int* lo, const int* hi, const float* cos,
                       const float* sin, int B, int S, int Hq, int Hkv, int D, float scale) {
-  call c = {{strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
-            {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11]},
+  call c = {strides_at(strides, 0), strides_at(strides, 1), strides_at(strides, 2), strides_at(strides, 3),
             {cos, sin, strides[3 * tensors], strides[3 * tensors + 1]}, lo, hi, B, S, Hq, Hkv, D,
             (int)round_up(S, TILE), scale};
   return c;
-}
-
-static strides3 strides_at(const long* strides, int tensor) {
-  strides3 s = {strides[3 * tensor], strides[3 * tensor + 1], strides[3 * tensor + 2]};
-  return s;
 }
 
 /* One (batch row, kv head) task's keys, RoPE'd, and values, as contiguous rows [S][D], and the keys' transpose

@@ -121,8 +121,7 @@ void bios_rms_norm_bf16(const unsigned short* x, const unsigned short* weight, u
       vec v = hload(h + i);
       sums += v * v;
     }
-    float squares = 0.0f;
-    for (int k = 0; k < VW; k++) squares += sums[k];
+    float squares = hsum(sums);
     for (; i < n; i++) squares += bf16_to_float(h[i]) * bf16_to_float(h[i]);
     float inverse = 1.0f / __builtin_sqrtf(squares / (float)n + eps);
     inv_rms[r] = inverse;
@@ -144,8 +143,7 @@ void bios_rms_norm_backward_bf16(const unsigned short* x, const unsigned short* 
     vec sums = (vec){0};
     int i = 0;
     for (; i + VW <= n; i += VW) sums += hload(gy + i) * hload(weight + i) * (hload(h + i) * inverse);
-    float dot = 0.0f;
-    for (int k = 0; k < VW; k++) dot += sums[k];
+    float dot = hsum(sums);
     for (; i < n; i++) dot += bf16_to_float(gy[i]) * bf16_to_float(weight[i]) * (bf16_to_float(h[i]) * inverse);
     float projection = dot / (float)n;
     unsigned short* gx = grad_x + (long)r * n;
@@ -185,8 +183,7 @@ void bios_log_softmax_rows(void* logits, long ld, int bf16, const long* targets,
       vec v = row_load(row, bf16, i);
       top = blend(v > top, v, top);
     }
-    float most = -__builtin_inff();
-    for (int k = 0; k < VW; k++) most = top[k] > most ? top[k] : most;
+    float most = hmax(top);
     for (; i < n; i++) most = row_at(row, bf16, i) > most ? row_at(row, bf16, i) : most;
     int t = (int)targets[r];
     float target = row_at(row, bf16, t);
@@ -196,8 +193,7 @@ void bios_log_softmax_rows(void* logits, long ld, int bf16, const long* targets,
       sums += e;
       if (grads && !bf16) vstore(l + i, e);
     }
-    float sum = 0.0f;
-    for (int k = 0; k < VW; k++) sum += sums[k];
+    float sum = hsum(sums);
     for (; i < n; i++) {
       float e = __builtin_expf(row_at(row, bf16, i) - most);
       sum += e;

@@ -13,6 +13,34 @@ static inline void vstore(float* p, vec v) { *(vec*)p = v; }
 /* Lanes of `yes` where `mask` is set (-1, as comparisons give), else of `no`. A vector cast keeps the bits. */
 static inline vec blend(ivec mask, vec yes, vec no) { return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
 
+/* The sum of v's lanes (halves added pairwise where the compiler can shuffle vectors; GCC before 12: lane by lane)
+ * and the largest of them. */
+typedef float half_vec __attribute__((vector_size(VW * 2)));
+typedef float quad __attribute__((vector_size(16)));
+
+static inline float hsum(vec v) {
+#if !__has_builtin(__builtin_shufflevector) /* GCC before 12: lane by lane */
+  float sum = 0.0f;
+  for (int t = 0; t < VW; t++) sum += v[t];
+  return sum;
+#else
+#if VW == 16
+  half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+               + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  quad a = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#else
+  quad a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#endif
+  return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
+}
+
+static inline float hmax(vec v) {
+  float most = v[0];
+  for (int t = 1; t < VW; t++) most = v[t] > most ? v[t] : most;
+  return most;
+}
+
 /* exp(x) lane by lane: Cephes' polynomial, as PyTorch's and Eigen's vectorized exp are. x is clamped to
  * [-87, 88], where 2^n stays a normal float: exp(-87) = 1.6e-38 stands for anything smaller (a softmax weight or a
  * silu's exp(-g) that small adds nothing), exp(88) = 1.7e38 for anything larger. */
