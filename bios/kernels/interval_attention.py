@@ -104,8 +104,7 @@ def stacked_attention(qkv: Tensor, heads: int, kv_heads: int, lo: Tensor, hi: Te
     query, key, value = split_stacked(qkv, heads, kv_heads)
     _check(query.transpose(1, 2), lo, hi, (qkv,))
     if cos is not None:  # the kernel reads fp32 tables, a row per batch row and position
-        if cos.shape != sin.shape or cos.shape[-2:] != (qkv.shape[1], width) or cos.dim() != 3 \
-                or cos.shape[0] not in (1, qkv.shape[0]):
+        if not rope_tables_fit(qkv, width, cos, sin):
             raise ValueError(f"stacked_attention: cos and sin must be [{qkv.shape[0]} or 1, {qkv.shape[1]}, {width}] "
                              f"for qkv {tuple(qkv.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         cos, sin = (t.to(torch.float32).expand(qkv.shape[0], -1, -1) for t in (cos, rotary.signed_sin(sin)))
@@ -115,6 +114,13 @@ def stacked_attention(qkv: Tensor, heads: int, kv_heads: int, lo: Tensor, hi: Te
     else:
         out = _forward(query, key, value, lo, hi, scale, (cos, sin) if cos is not None else None)[0]
     return out.view(*qkv.shape[:-1], heads * width)
+
+
+def rope_tables_fit(qkv: Tensor, width: int, cos: Tensor, sin: Tensor) -> bool:
+    """Whether cos and sin are RoPE tables the kernel can read for qkv [B, S, ...] with heads `width` wide:
+    [B or 1, S, width] each."""
+    return cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, qkv.shape[0]) \
+        and cos.shape[1:] == (qkv.shape[1], width)
 
 
 def split_stacked(qkv: Tensor, heads: int, kv_heads: int) -> list[Tensor]:

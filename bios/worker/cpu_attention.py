@@ -81,9 +81,8 @@ def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: 
             or any(kwargs.get(name) is not None for name in _EXTRAS) or cos.requires_grad or sin.requires_grad:
         return None
     query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
-    tables_fit = cos.shape == sin.shape and cos.dim() == 3 and cos.shape[0] in (1, qkv.shape[0]) \
-        and cos.shape[1:] == (qkv.shape[1], query.shape[-1])
-    if not tables_fit or not interval_attention.suits(query, key, value):
+    if not interval_attention.rope_tables_fit(qkv, query.shape[-1], cos, sin) \
+            or not interval_attention.suits(query, key, value):
         return None
     intervals = _intervals(module, attention_mask, qkv.shape[0], qkv.shape[1], kwargs)
     if intervals is None:
