@@ -40,7 +40,7 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     -> [B, Q, Hq, Dv] (MLA's values are narrower than its queries and keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.device.type != "cpu" or any(kwargs.get(name) is not None for name in _EXTRAS):
+    if query.device.type != "cpu" or _has_extras(kwargs):
         return _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     low_precision = query.dtype in (torch.bfloat16, torch.float16)
     if query.shape[2] == 1 and low_precision and not dropout and (attention_mask is None or attention_mask.dim() == 4):
@@ -58,6 +58,11 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     output, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
                                        dropout=dropout, scaling=scaling, **kwargs)
     return output.to(query.dtype), None
+
+
+def _has_extras(kwargs: dict) -> bool:
+    """Whether the call carries attention extras (soft-capping, sinks, a position bias) only SDPA applies."""
+    return any(kwargs.get(name) is not None for name in _EXTRAS)
 
 
 def _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
@@ -78,7 +83,7 @@ def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: 
     extras, a mask that is not one interval per query, rotary tables that train or of another shape): the caller
     goes the stock way."""
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout or qkv.stride(-1) != 1 \
-            or any(kwargs.get(name) is not None for name in _EXTRAS) or cos.requires_grad or sin.requires_grad:
+            or _has_extras(kwargs) or cos.requires_grad or sin.requires_grad:
         return None
     query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
     if not interval_attention.rope_tables_fit(qkv, query.shape[-1], cos, sin) \
