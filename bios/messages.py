@@ -501,6 +501,8 @@ class Reconfigure:
     source_tp: int = 1
     plans: list[ModelPlan] = field(default_factory=list)
     epoch: str = ""  # the coordinator's incarnation: its generations' rendezvous keys are its own
+    # How long a collective may wait for a peer that is alive but busier (`timeout_s` bounds joining only).
+    collective_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -551,6 +553,17 @@ class Leaving:
 
 @dataclass(frozen=True)
 class Shutdown:
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AbortGeneration:
+    """The coordinator gave up on generation `generation` of its incarnation `epoch` (a member died, hangs or was
+    cut off; another aborted): every collective of it ends now on the receiver, which reports its cycle aborted
+    or its joining failed, instead of waiting out the collective timeout."""
+
+    epoch: str
+    generation: int
     reason: str = ""
 
 

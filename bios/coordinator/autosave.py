@@ -53,18 +53,6 @@ class AutoSave:
         return t.SaveWeightsForSamplerResponse(str(path)), None
 
 
-def killed_twice(queued: Any, budgets: list[int]) -> str:
-    """Why a request that was running when workers died in two cycles is not retried again."""
-    op = queued.op
-    data = getattr(op, "data", None)
-    size = f", {sum(d.model_input.length for d in data)} tokens in {len(data)} rows" if data else ""
-    memory = ", ".join(f"{b / 2**30:.1f} GiB" for b in budgets) or "no worker connected now"
-    return (f"workers died twice while running {queued.request_id} ({type(op).__name__}{size}): killed, or out of "
-            f"memory (the workers' memory budgets: {memory}); it is not retried again, so it cannot take down "
-            "more workers: send it in smaller batches, or give the workers more memory (bios-worker --memory-limit "
-            "is the budget plans count on)")
-
-
 def automatic_save(model_id: str, step: int) -> m.SaveWeights:
     path = CheckpointPath(model_id, "weights", f"auto-{step:06d}")
     return m.SaveWeights(model_id, -1, path.name, "weights", overwrite=True, path=str(path))

@@ -7,6 +7,11 @@ state, and every member takes each adapter's state from rank 0 by broadcast. If 
 whole pool was lost) runs restore from their latest automatic checkpoint.
 
 A cycle hit by a failure is aborted: unfinished items go back to their queues and run again on the survivors.
+Whether a member is alive is the heartbeats' call: a collective may wait up to `collective_timeout_s` for a busier
+peer (one long row), and when the runner gives up on a cycle or a formation (a member was lost, or one aborted)
+it tells the members still in it (`AbortGeneration`), whose collectives then end at once. A cycle that aborts
+with every member alive (a collective timed out) is reported `stalled`: the scheduler runs its requests again in
+a cycle of their own, and gives up on a request that stalls twice, so no pass can livelock the cluster.
 
 A live worker whose memory budget cannot hold the pool's plans is parked (`bios.coordinator.worker_fit`): it
 stays registered but is left out of the generation, and is weighed again at every new generation and whenever
@@ -53,6 +58,7 @@ LatestCheckpoint = Callable[[str], str | None]
 Probe = Callable[[Member], Awaitable[bool]]
 
 RECONFIGURE_TIMEOUT_S = 180.0  # newcomers may have to load base models first
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # a peer may be this much busier than the others (bios-coordinator flag)
 
 
 @dataclass
@@ -68,6 +74,7 @@ class _Cycle:
     aborted: bool = False
     collective_failed: bool = False
     worker_died: bool = False  # a member was lost while running it (killed, out of memory, its host gone)
+    reasons: list[str] = field(default_factory=list)  # why members aborted it, as they said
 
 
 @dataclass
@@ -82,8 +89,9 @@ class _Forming:
 class CycleRunner:
     def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
                  load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
-                 collective_timeout_s: float, metrics: CoordinatorMetrics | None = None,
-                 committed: dict[str, float] | None = None, rejoin_grace_s: float = 0.0) -> None:
+                 join_timeout_s: float, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                 metrics: CoordinatorMetrics | None = None, committed: dict[str, float] | None = None,
+                 rejoin_grace_s: float = 0.0) -> None:
         self.scheduler = scheduler
         self.clock = clock
         self.membership = membership
@@ -91,6 +99,7 @@ class CycleRunner:
         self.load_state = load_state
         self.latest_checkpoint = latest_checkpoint
         self.probe = probe
+        self.join_timeout_s = join_timeout_s  # how long members wait for each other to join a generation
         self.collective_timeout_s = collective_timeout_s
         self.metrics = metrics or CoordinatorMetrics()
         self.current: _Cycle | None = None
@@ -177,10 +186,14 @@ class CycleRunner:
         elif self.ranked and self.layout.tp == 1:
             self.committed.update(cycle.checksums.get(self.ranked[0].worker_id, {}))
         self.scheduler.tell(Committed(dict(self.committed)))
-        self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted, cycle.worker_died))
+        stalled = cycle.aborted and cycle.collective_failed and not cycle.worker_died
+        why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
+        self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted, cycle.worker_died,
+                                       stalled=stalled, why=why))
         if cycle.aborted:
-            log.warning("cycle %d aborted: %d of %d items will run again", cycle.cycle_id,
-                        len(cycle.expected - cycle.finished), len(cycle.expected))
+            log.warning("cycle %d aborted: %d of %d items will run again (%s%s)", cycle.cycle_id,
+                        len(cycle.expected - cycle.finished), len(cycle.expected),
+                        "every member alive: " if stalled else "", why)
             if cycle.collective_failed:
                 self.membership.bump("a collective failed; the group is rebuilt")
             self.clock.work_queued()
@@ -247,6 +260,8 @@ class CycleRunner:
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
         if done.aborted:
             cycle.aborted = cycle.collective_failed = True
+            cycle.reasons.append(f"{worker_id}: {done.reason}")
+            self._abort_members(cycle.waiting, self.generation, f"{worker_id} aborted cycle {cycle.cycle_id}")
             asyncio.ensure_future(self._probe_others(cycle))
         self._maybe_done(cycle)
 
@@ -256,11 +271,21 @@ class CycleRunner:
                 state.waiting.discard(member.worker_id)
                 if isinstance(state, _Cycle):
                     state.aborted = state.worker_died = True
+                    self._abort_members(state.waiting, self.generation, f"{member.worker_id} was lost")
                     self._maybe_done(state)
                 else:
                     state.failed.add(member.worker_id)
+                    self._abort_members(state.waiting, state.generation, f"{member.worker_id} was lost")
                     if not state.waiting:
                         state.done.set()
+
+    def _abort_members(self, waiting: set[str], generation: int, reason: str) -> None:
+        """Tell the members still in a cycle or formation that it is given up: their collectives with the lost
+        or failed member would otherwise wait out the collective timeout."""
+        for worker_id in waiting:
+            member = self.membership.members.get(worker_id)
+            if member is not None and member.state != "dead":
+                asyncio.ensure_future(self.send(member.peer, m.AbortGeneration(self.epoch, generation, reason)))
 
     def _maybe_done(self, cycle: _Cycle) -> None:
         if not cycle.waiting:
@@ -323,13 +348,14 @@ class CycleRunner:
             if self.shards.get(member.worker_id) != (layout.tp, rank % layout.tp):
                 member.sampler_paths.clear()  # a newcomer, or a holder of another shard: samplers are reloaded
             await self.send(member.peer, m.Reconfigure(generation, rank, len(ranked), master.store_host,
-                                                       master.store_port, self.collective_timeout_s, adapters,
+                                                       master.store_port, self.join_timeout_s, adapters,
                                                        restore, layout.tp, source_tp or layout.tp, list(layout.plans),
-                                                       self.epoch))
+                                                       self.epoch, self.collective_timeout_s))
         try:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
             forming.failed |= forming.waiting
+            self._abort_members(forming.waiting, generation, f"not formed within {RECONFIGURE_TIMEOUT_S:.0f}s")
         self.forming = None
         if forming.failed:
             await self._after_failed_formation(generation, forming.failed)

@@ -63,6 +63,8 @@ class CycleEnded:
     finished: frozenset[str]
     aborted: bool
     worker_died: bool = False  # aborted because a member died while running it
+    stalled: bool = False  # aborted with every member alive: a collective timed out (or a member's part failed)
+    why: str = ""  # what the members said when they aborted it
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError
 
 from .metrics import JsonLogFormatter, serve_metrics
+from .cycles import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .server import Coordinator, CoordinatorConfig
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_state_dir(p, "SQLite store, keys and checkpoints")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                   help="seconds a worker's collective may wait for a peer that is alive but busier (one long row): "
+                        "a pass that keeps one worker busy longer than this beyond its peers fails its request")
     p.add_argument("--seq-gap", type=float, default=float(os.environ.get("BIOS_SEQ_GAP_S", 120.0)),
                    help="seconds a run's requests wait for a seq_id that never came before they are withdrawn "
                         "(their clients are told to resend it)")
@@ -62,6 +66,7 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
         cycle_s=args.cycle_s,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        collective_timeout_s=args.collective_timeout,
         # Workers heartbeat often enough that a short timeout still spans several heartbeats.
         worker_heartbeat_s=min(CoordinatorConfig.worker_heartbeat_s, args.heartbeat_timeout / 4),
         seq_gap_s=args.seq_gap,

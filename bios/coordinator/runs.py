@@ -23,6 +23,7 @@ class Queued:
     rejected: bool = False
     queued_at: float = field(default_factory=time.monotonic)
     deaths: int = 0  # cycles that aborted because a worker died while running this request
+    stalls: int = 0  # cycles that aborted with every worker alive (a collective timed out) while running it
 
 
 def stored_config(lora: t.LoraConfig, optimizer: t.OptimizerName) -> dict[str, object]:
@@ -91,6 +92,12 @@ class Run:
     def runnable(self) -> bool:
         return self.next_seq in self.queue
 
+    def runs_alone(self) -> bool:
+        """Whether this run's next cycle stalled before: it runs in a cycle of its own, so that a stall again
+        is its own doing and fails only its requests."""
+        head = self.queue.get(self.next_seq)
+        return head is not None and head.stalls > 0
+
     def take_cycle(self) -> list[Queued]:
         """This cycle's share: forward work in order, up to and including the first other op."""
         taken: list[Queued] = []
@@ -122,20 +129,23 @@ class Run:
     def cycle_committed(self) -> None:
         self.in_flight.clear()
 
-    def cycle_aborted(self, finished: set[str], *, worker_died: bool = False,
+    def cycle_aborted(self, finished: set[str], *, worker_died: bool = False, stalled: bool = False,
                       max_deaths: int = 2) -> list[Queued]:
         """Return an aborted cycle's unfinished items (with the rejected ones between them) to the queue.
 
-        With `worker_died`, each unfinished item counts a death; one that reaches `max_deaths` is given up (its
-        seq_id used up) and returned, for the caller to fail: a batch that kills workers is not fed to the next.
+        With `worker_died`, each unfinished item counts a death; with `stalled`, a stall (the cycle could not
+        complete with every worker alive). One that reaches `max_deaths` of either is given up (its seq_id used
+        up) and returned, for the caller to fail: a batch that kills workers is not fed to the next, and a pass
+        that cannot complete is not run forever.
         """
         given_up = []
         for seq_id, item in self.in_flight:
             if item.request_id in finished:
                 continue
-            if worker_died and not item.rejected:
-                item.deaths += 1
-                if item.deaths >= max_deaths:
+            if (worker_died or stalled) and not item.rejected:
+                item.deaths += worker_died
+                item.stalls += stalled
+                if max(item.deaths, item.stalls) >= max_deaths:
                     given_up.append(item)
                     item = Queued(item.request_id, item.op, rejected=True)
             self.queue[seq_id] = item

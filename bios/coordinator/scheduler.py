@@ -44,12 +44,13 @@ from .mailbox import (
     Stalled,
     Watch,
 )
-from .autosave import AutoSave, automatic_save, killed_twice
+from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
 from .disk import is_disk_full
 from .metrics import CoordinatorMetrics
 from .planning import PoolPlanner, Workers
 from .recovery import restore
+from .retries import killed_twice, stalled_once, stalled_twice
 from .results import Push, ResultRouter
 from .runs import Queued, Run, stored_config
 from .store import Store
@@ -241,16 +242,18 @@ class Scheduler(Actor):
     # ------------------------------------------------------------------------------------ cycles
 
     def _select(self) -> list[m.WorkItem]:
+        """Every run's next share and every sample; but a run whose last cycle stalled runs alone (`runs_alone`)."""
         items: list[m.WorkItem] = []
-        for run in self.runs.values():
-            if run.status == "lost":
-                continue
+        live = [run for run in self.runs.values() if run.status != "lost"]
+        alone = next((run for run in live if run.runs_alone()), None)
+        for run in [alone] if alone is not None else live:
             taken = run.take_cycle()
             items.extend(m.WorkItem(q.request_id, q.op) for q in taken)
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
-        items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
-        self.samples = []
+        if alone is None:
+            items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
+            self.samples = []
         self.running = {item.request_id: item.op for item in items}
         self.results.timeline.taken(self.running)
         if any(run.runnable() for run in self.runs.values()):
@@ -330,9 +333,15 @@ class Scheduler(Actor):
             if not ended.aborted:
                 run.cycle_committed()
                 continue
-            for queued in run.cycle_aborted(set(ended.finished), worker_died=died):
-                await self.results.deliver(queued.request_id, queued.op, None, RemoteError(
-                    "RequestFailedError", killed_twice(queued, self.planner.budgets()), request_id=queued.request_id))
+            for queued in run.cycle_aborted(set(ended.finished), worker_died=died, stalled=ended.stalled):
+                why = (killed_twice(queued, self.planner.budgets()) if queued.deaths >= queued.stalls
+                       else stalled_twice(queued, ended.why))
+                await self.results.deliver(queued.request_id, queued.op, None,
+                                           RemoteError("RequestFailedError", why, request_id=queued.request_id))
+            if ended.stalled:
+                for queued in run.queue.values():
+                    if queued.stalls == 1 and not queued.rejected:
+                        await self.results.notify(queued.request_id, stalled_once(ended.why))
         if died:
             await self._retry_smaller()
         if ended.aborted:

@@ -34,7 +34,7 @@ from bios.transport.codec import Envelope, Limits
 from bios.transport.sockets import Router, next_message_id
 
 from .clock import CycleClock
-from .cycles import CycleRunner
+from .cycles import DEFAULT_COLLECTIVE_TIMEOUT_S, CycleRunner
 from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .audit import AuditLog
@@ -64,6 +64,8 @@ class CoordinatorConfig:
     state_dir: Path = Path("bios-state")
     cycle_s: float = 10.0
     heartbeat_timeout_s: float = 5.0
+    # How long a worker's collective may wait for a peer that is alive but busier (liveness is the heartbeats').
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     session_timeout_s: float = 600.0  # longer than the SDK's reconnect patience, so a returning client resumes
     stalled_after_s: float = 300.0  # the watchdog reports requests queued longer than this
     seq_gap_s: float = 120.0  # requests waiting this long behind a seq_id that never came are withdrawn
@@ -148,7 +150,8 @@ class Coordinator:
             load_state=lambda path: self.catalog.load(path, None),
             latest_checkpoint=self._latest_checkpoint,
             probe=self._probe,
-            collective_timeout_s=self.config.heartbeat_timeout_s,
+            join_timeout_s=self.config.heartbeat_timeout_s,
+            collective_timeout_s=self.config.collective_timeout_s,
             metrics=self.metrics,
             committed=self.store.committed(),
             rejoin_grace_s=REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s,

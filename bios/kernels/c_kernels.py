@@ -7,7 +7,8 @@ weights at about half of what the cores read (`row_gemm`), its attention is a do
 activation-sized tensors each in PyTorch's ops and one here (`csrc/training_ops.c`, called by `norms`). The C
 here is small, plain and vectorized with GCC's vector extensions (which clang shares) for the CPU's width, so one
 source serves AVX-512 and AVX2. It is compiled with `$CC` (else `cc`; -O3, OpenMP with GCC, AVX-512 or
-AVX2+FMA as PyTorch's CPU capability says, so `ATEN_CPU_CAPABILITY=avx2` builds the AVX2 kernels) into
+AVX2+FMA as `c_isa` says: `BIOS_C_ISA`, else PyTorch's CPU capability, so `ATEN_CPU_CAPABILITY=avx2` or
+`BIOS_C_ISA=avx2` builds the AVX2 kernels on an AVX-512 machine, as an AVX2-only CPU runs them) into
 `<bios cache>/kernels/`, keyed by the sources and flags, once per machine. Without a compiler, on other CPUs, or
 with `BIOS_C_KERNELS=off`, nothing changes: callers keep PyTorch's ops (the worker logs why once). The library's
 OpenMP is PyTorch's: loaded after torch, its `libgomp.so.1` resolves to the copy torch loaded, so both share one
@@ -61,6 +62,24 @@ class CKernels(NamedTuple):
     width: int  # floats in one vector register of the instruction set it was built for
 
 
+def c_isa() -> str | None:
+    """The instruction set Bios's CPU code is built for and may count on: "AVX512" or "AVX2", as `BIOS_C_ISA`
+    ("avx2" or "avx512") says, else PyTorch's CPU capability (which `ATEN_CPU_CAPABILITY` caps); None on a CPU
+    with neither. `BIOS_C_ISA=avx2` runs an AVX-512 machine's C kernels, and the worker's choice of base dtype,
+    as an AVX2-only CPU would (set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 beside it for PyTorch's)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    asked = os.environ.get("BIOS_C_ISA", "").strip().upper()
+    if asked in ("", "AUTO"):
+        return capability if capability in _ISA_FLAGS else None
+    if asked not in _ISA_FLAGS:
+        raise ValueError(f"BIOS_C_ISA must be 'avx2' or 'avx512' (unset: PyTorch's CPU capability, {capability}), "
+                         f"got {asked.lower()!r}")
+    if asked == "AVX512" and capability != "AVX512":
+        raise ValueError(f"BIOS_C_ISA=avx512, but PyTorch's CPU capability is {capability}: this CPU (or "
+                         "ATEN_CPU_CAPABILITY) has no AVX-512")
+    return asked
+
+
 def c_kernels_setting() -> str:
     """`BIOS_C_KERNELS` (unset: "auto"): whether decode steps and training passes may use the C kernels."""
     value = os.environ.get("BIOS_C_KERNELS", "").strip().lower() or "auto"
@@ -95,10 +114,10 @@ def c_kernels() -> CKernels | None:
 
 @cache
 def _loaded() -> CKernels | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _ISA_FLAGS:
+    capability = c_isa()
+    if platform.machine().lower() not in ("x86_64", "amd64") or capability is None:
         log.info("decode steps and training passes keep PyTorch's ops: Bios's C kernels need an x86 CPU with AVX2 "
-                 "(this is %s, PyTorch's capability %s)", platform.machine(), capability)
+                 "(this is %s, PyTorch's capability %s)", platform.machine(), torch.backends.cpu.get_cpu_capability())
         return None
     width, isa = _ISA_FLAGS[capability]
     try:

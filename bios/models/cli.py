@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bios.models.registry import ModelEntry, UnknownModelError, list_models, pull, resolve_model_dir
+from bios.models.registry import ModelEntry, list_models, pull, resolve_model_dir
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -62,6 +62,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         start_timeout_s: float = 120.0,
         worker_memory_limit: str | int | None = None,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self._owns_state_dir = state_dir is None
         self.state_dir = Path(state_dir) if state_dir is not None else Path(tempfile.mkdtemp(prefix="bios-"))
@@ -69,6 +70,7 @@ class LocalCluster:
         self.num_workers = workers
         self.cycle_s = cycle_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.collective_timeout_s = collective_timeout_s  # None: the coordinator's default
         self.worker_threads = worker_threads
         self.listen = listen
         self.log_level = log_level
@@ -126,6 +128,7 @@ class LocalCluster:
                 "--state-dir", str(self.state_dir),
                 "--cycle-s", str(self.cycle_s),
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s),
+                *(["--collective-timeout", str(self.collective_timeout_s)] if self.collective_timeout_s else []),
                 "--ready-file", str(ready),
                 "--log-level", self.log_level,
                 "--checkpoint-every", str(self.checkpoint_every),

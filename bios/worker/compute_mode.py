@@ -11,8 +11,9 @@ themselves: `bios.kernels.frozen_matmul`.)
 `BIOS_BASE_DTYPE` is read when a base model is prepared (`attach_lora`). `float32` or `bfloat16` stores the
 frozen base weights (and so the activations) in that dtype; adapters, their gradients and the optimizer stay
 fp32 either way. Unset, the base goes to bf16 where the hardware multiplies bf16 natively (a CPU with
-avx512_bf16 or AMX, a CUDA GPU with native bf16) and keeps its loaded dtype elsewhere: there, bf16 is emulated
-and slower than fp32. On SmolLM2-135M with the fused kernels, bf16 on an avx512_bf16 CPU makes a training
+avx512_bf16 or AMX running AVX-512 code, a CUDA GPU with native bf16) and keeps its loaded dtype elsewhere:
+there, bf16 is emulated and slower than fp32. `BIOS_C_ISA=avx2` makes an AVX-512 CPU choose as an AVX2-only one
+(`bios.kernels.c_kernels.c_isa`). On SmolLM2-135M with the fused kernels, bf16 on an avx512_bf16 CPU makes a training
 step 2.2x faster than fp32 with 0.73x the peak memory (bench/README.md), at bf16 rounding of the activations.
 """
 
@@ -22,6 +23,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from bios.kernels.c_kernels import c_isa
 
 _ON = ("", "1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
@@ -60,7 +63,9 @@ def native_bf16(device: torch.device) -> str | None:
     """The hardware feature that runs bf16 matmuls natively on `device` (e.g. "avx512_bf16"), None if none does."""
     if device.type == "cuda":
         return "CUDA bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else None
-    if device.type == "cpu":
+    if device.type == "cpu":  # AVX-512 code only: under BIOS_C_ISA=avx2 (or ATEN_CPU_CAPABILITY=avx2) it is emulated
+        if c_isa() != "AVX512":
+            return None
         capabilities = torch.cpu.get_capabilities()
         return next((feature for feature in _CPU_BF16_FEATURES if capabilities.get(feature)), None)
     return None

@@ -281,6 +281,9 @@ class WorkerDaemon:
                 self.trainer.tell(body)
             else:
                 log.warning("leaving: %s not started here", type(body).__name__)
+        elif isinstance(body, m.AbortGeneration):  # here, not in the trainer's mailbox: its thread may be waiting
+            log.warning("generation %d aborted: %s", body.generation, body.reason)
+            self.group.abort(body.epoch, body.generation, body.reason)
         elif isinstance(body, m.Ping):
             asyncio.ensure_future(self._reply(env, m.Pong(body.payload)))
         elif isinstance(body, m.Shutdown):

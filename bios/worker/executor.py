@@ -242,7 +242,7 @@ class CycleExecutor:
         self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
         self.grad_norms.clear()
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
-                           msg.tp, msg.epoch)
+                           msg.tp, msg.epoch, msg.collective_timeout_s)
         self.pool.bind_group(self.group.tp_group)
         for wanted_spec in msg.adapters:
             checkpoint = msg.restore.get(wanted_spec.model_id)

@@ -23,6 +23,7 @@ from bios.peft_layout import experts_from_peft, experts_to_peft
 from bios.types import AdamParams, DimuonParams, LoraConfig, OptimizerName, OptimStepResponse
 from bios.worker.adapter import AdapterState, init_lora_weights, lora_targets, validate_lora_config
 from bios.worker.checkpoint import load_into, restore_adapter
+from bios.worker.collectives import completed
 from bios.worker.engine import optim_step
 from bios.worker.targets import peft_keys
 from bios.worker.tensor_parallel import ShardInfo, require_sharded
@@ -32,7 +33,8 @@ def shared_seed(config: LoraConfig, group: dist.ProcessGroup | None = None) -> i
     if config.seed is not None:
         return config.seed
     seed = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
-    dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    completed(dist.broadcast(seed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group,
+                              async_op=True))
     return int(seed.item())
 
 def create_sharded_adapter(
@@ -73,7 +75,7 @@ def reduce_shared_grads(adapter: AdapterState, info: ShardInfo, group: dist.Proc
     if not parts or info.world == 1:
         return
     packed = torch.cat([part.reshape(-1) for part in parts])
-    dist.all_reduce(packed, group=group)
+    completed(dist.all_reduce(packed, group=group, async_op=True))
     offset = 0
     for part in parts:
         part.copy_(packed[offset : offset + part.numel()].view_as(part))
@@ -97,7 +99,7 @@ def sharded_grad_norm(
         else:
             split_sq += squares
     if info.world > 1:
-        dist.all_reduce(split_sq, group=group)
+        completed(dist.all_reduce(split_sq, group=group, async_op=True))
     return math.sqrt(float(split_sq + whole_sq))
 
 @torch.no_grad()
@@ -127,7 +129,8 @@ def sharded_optim_step(
     if isinstance(params, DimuonParams):
         split = [not whole for _, whole in _factor_spans(adapter, info)]
         return optim_step(adapter, params, grad_norm=norm, split=split,
-                          reduce=(lambda tensor: dist.all_reduce(tensor, group=group)) if info.world > 1 else None)
+                          reduce=(lambda tensor: completed(dist.all_reduce(tensor, group=group, async_op=True)))
+                          if info.world > 1 else None)
     return optim_step(adapter, params, grad_norm=norm)
 
 def gather_full_adapter(
@@ -142,7 +145,7 @@ def gather_full_adapter(
     stacked = torch.stack(buffers)
     parts = [torch.empty_like(stacked) for _ in range(info.world)]
     if info.world > 1:
-        dist.all_gather(parts, stacked, group=group)
+        completed(dist.all_gather(parts, stacked, group=group, async_op=True))
     else:
         parts = [stacked]
     full_targets = [info.full_target(target.module_name) for target in adapter.targets]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bios.models.memory_plan import ModelShape
+from bios.worker.collectives import completed
 from bios.worker.adapter import LoraTarget
 from bios.worker.expert_parallel import (
     checkpoint_renamings,
@@ -100,7 +101,7 @@ class TensorParallelError(RuntimeError):
 
 def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None) -> None:
     try:
-        dist.all_reduce(tensor, group=group)
+        completed(dist.all_reduce(tensor, group=group, async_op=True))
     except Exception as exc:
         raise TensorParallelError(f"tensor-parallel all-reduce failed: {exc}") from exc
 
