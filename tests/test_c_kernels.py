@@ -55,3 +55,29 @@ def test_a_failed_build_says_what_the_compiler_said(monkeypatch, caplog, tmp_pat
     with caplog.at_level("WARNING", logger="bios.kernels.c_kernels"):
         assert c_kernels.c_kernels() is None
     assert "exited 1" in caplog.text and "this compiler refuses" in caplog.text
+
+
+def test_bios_c_isa_builds_the_avx2_kernels_and_the_worker_chooses_as_an_avx2_cpu(monkeypatch):
+    """`BIOS_C_ISA=avx2` on any x86 CPU with AVX2: 8-float kernels, a library of its own in the cache, and no
+    native bf16 (so the worker keeps fp32, as on an AVX2-only machine); a value that is not an ISA says so."""
+    import torch
+
+    from bios.worker.compute_mode import base_dtype, native_bf16
+
+    monkeypatch.delenv("BIOS_BASE_DTYPE", raising=False)
+    monkeypatch.setenv("BIOS_C_ISA", "avx2")
+    assert c_kernels.c_isa() == "AVX2"
+    assert native_bf16(torch.device("cpu")) is None
+    assert base_dtype(torch.device("cpu")).dtype is None  # the loaded dtype: fp32 for every model a test builds
+    if c_kernels.c_compiler() is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert c_kernels.c_kernels().width == 8
+    monkeypatch.setenv("BIOS_C_ISA", "auto")
+    assert c_kernels.c_isa() == (torch.backends.cpu.get_cpu_capability()
+                                 if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None)
+    monkeypatch.setenv("BIOS_C_ISA", "sse4")
+    with pytest.raises(ValueError, match="BIOS_C_ISA must be 'avx2' or 'avx512'"):
+        c_kernels.c_isa()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        monkeypatch.setenv("BIOS_C_ISA", "avx512")
+        with pytest.raises(ValueError, match="has no AVX-512"):
+            c_kernels.c_isa()

@@ -1,9 +1,9 @@
 """A pass that keeps one worker busy far longer than its peers: no livelock.
 
 Whether a worker is alive is the heartbeats' call; a collective may wait for a busier peer up to the collective
-timeout (bios-coordinator --collective-timeout, 10 minutes by default). One 8k-token row goes whole to one of two
-workers while the other waits at the first collective for several heartbeat timeouts: the step completes, equal
-to one worker's. Where a pass outlasts even the collective timeout, its cycle aborts with every worker alive: the
+timeout (bios-coordinator --collective-timeout, 10 minutes by default). A batch of one 8k-token row and three rows
+20x shorter: the long row goes whole to one worker while the others wait at the first collective for several
+heartbeat timeouts, on 2 workers and on 4: the step completes, equal to one worker's. Where a pass outlasts even the collective timeout, its cycle aborts with every worker alive: the
 request runs again in a cycle of its own, then fails with an error that says why, and nobody else's does.
 """
 
@@ -27,16 +27,20 @@ PARAMS = types.AdamParams(learning_rate=1e-3)
 FP32 = {"BIOS_BASE_DTYPE": "float32"}  # equal to one worker to 1e-5 in fp32, on any CPU
 
 
-def long_datum() -> types.Datum:
-    tokens = np.random.default_rng(SEED).integers(0, 256, LONG_ROW + 1)
+def random_datum(length: int, seed: int = SEED) -> types.Datum:
+    tokens = np.random.default_rng(seed).integers(0, 256, length + 1)
     return types.Datum(types.ModelInput.from_ints(tokens[:-1].tolist()),
-                       {"target_tokens": tokens[1:], "weights": np.ones(LONG_ROW, dtype=np.float32)})
+                       {"target_tokens": tokens[1:], "weights": np.ones(length, dtype=np.float32)})
+
+
+# The long row first, then three 20x shorter: token-balanced shards give the long row a worker of its own.
+UNBALANCED = [random_datum(LONG_ROW)] + [random_datum(LONG_ROW // 20, seed=SEED + i) for i in (1, 2, 3)]
 
 
 def one_long_step(svc, model_dir) -> tuple[float, dict]:
-    """One forward_backward of the long row and one optimizer step: the loss and the weights after it."""
+    """One forward_backward of the unbalanced batch and one optimizer step: the loss and the weights after it."""
     tc = svc.create_lora_training_client(str(model_dir), rank=8, seed=SEED)
-    loss = tc.forward_backward([long_datum()]).result(600).loss
+    loss = tc.forward_backward(UNBALANCED).result(600).loss
     tc.optim_step(PARAMS).result(600)
     return loss, saved_adapter(svc, tc)
 
@@ -53,16 +57,17 @@ def one_worker(long_model):
         return one_long_step(svc, long_model)
 
 
+@pytest.mark.parametrize("workers", [2, 4])
 def test_a_pass_several_heartbeat_timeouts_longer_on_one_worker_completes_and_equals_one_worker(long_model,
-                                                                                                 one_worker):
+                                                                                                 one_worker, workers):
     loss, weights = one_worker
-    with bios.LocalCluster(workers=2, worker_threads=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, env=FP32) as cluster, \
-            bios.ServiceClient(address=cluster.address) as svc:
-        wait_for_workers(svc, 2)
+    with bios.LocalCluster(workers=workers, worker_threads=1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                           env=FP32) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        wait_for_workers(svc, workers)
         got_loss, got_weights = one_long_step(svc, long_model)
         log = (cluster.state_dir / "coordinator.log").read_text()
         assert " aborted" not in log, log[-3000:]  # the waiting worker was never given up on
-        assert sum(w.state == "active" for w in svc.cluster_status().workers) == 2
+        assert sum(w.state == "active" for w in svc.cluster_status().workers) == workers
     assert got_loss == pytest.approx(loss, rel=1e-5)
     assert_same_weights(got_weights, weights)
 
@@ -76,7 +81,7 @@ def test_a_pass_longer_than_the_collective_timeout_fails_alone_and_says_why(long
         batch = [text_datum("a short row beside a long one")]
         # Both in one cycle, most likely (the clock ticks every 2 s): the short one must not share the long one's
         # fate either way.
-        doomed, fine = long.forward_backward([long_datum()]), short.forward_backward(batch)
+        doomed, fine = long.forward_backward([random_datum(LONG_ROW)]), short.forward_backward(batch)
         assert fine.result(600).loss > 0
         with pytest.raises(BiosAPIError) as failed:
             doomed.result(600)

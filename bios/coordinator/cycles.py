@@ -75,6 +75,7 @@ class _Cycle:
     collective_failed: bool = False
     worker_died: bool = False  # a member was lost while running it (killed, out of memory, its host gone)
     reasons: list[str] = field(default_factory=list)  # why members aborted it, as they said
+    given_up: bool = False  # its remaining members were told to abort it
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Forming:
     failed: set[str] = field(default_factory=set)
     checksums: dict[str, dict[str, float]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    given_up: bool = False  # its remaining members were told to abort it
 
 
 class CycleRunner:
@@ -261,7 +263,7 @@ class CycleRunner:
         if done.aborted:
             cycle.aborted = cycle.collective_failed = True
             cycle.reasons.append(f"{worker_id}: {done.reason}")
-            self._abort_members(cycle.waiting, self.generation, f"{worker_id} aborted cycle {cycle.cycle_id}")
+            self._abort_members(cycle, self.generation, f"{worker_id} aborted cycle {cycle.cycle_id}")
             asyncio.ensure_future(self._probe_others(cycle))
         self._maybe_done(cycle)
 
@@ -271,18 +273,21 @@ class CycleRunner:
                 state.waiting.discard(member.worker_id)
                 if isinstance(state, _Cycle):
                     state.aborted = state.worker_died = True
-                    self._abort_members(state.waiting, self.generation, f"{member.worker_id} was lost")
+                    self._abort_members(state, self.generation, f"{member.worker_id} was lost")
                     self._maybe_done(state)
                 else:
                     state.failed.add(member.worker_id)
-                    self._abort_members(state.waiting, state.generation, f"{member.worker_id} was lost")
+                    self._abort_members(state, state.generation, f"{member.worker_id} was lost")
                     if not state.waiting:
                         state.done.set()
 
-    def _abort_members(self, waiting: set[str], generation: int, reason: str) -> None:
-        """Tell the members still in a cycle or formation that it is given up: their collectives with the lost
-        or failed member would otherwise wait out the collective timeout."""
-        for worker_id in waiting:
+    def _abort_members(self, state: _Cycle | _Forming, generation: int, reason: str) -> None:
+        """Tell the members still in a cycle or formation that it is given up (once): their collectives with
+        the lost or failed member would otherwise wait out the collective timeout."""
+        if state.given_up:
+            return
+        state.given_up = True
+        for worker_id in state.waiting:
             member = self.membership.members.get(worker_id)
             if member is not None and member.state != "dead":
                 asyncio.ensure_future(self.send(member.peer, m.AbortGeneration(self.epoch, generation, reason)))
@@ -355,7 +360,7 @@ class CycleRunner:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
             forming.failed |= forming.waiting
-            self._abort_members(forming.waiting, generation, f"not formed within {RECONFIGURE_TIMEOUT_S:.0f}s")
+            self._abort_members(forming, generation, f"not formed within {RECONFIGURE_TIMEOUT_S:.0f}s")
         self.forming = None
         if forming.failed:
             await self._after_failed_formation(generation, forming.failed)

@@ -53,6 +53,8 @@ def add_up_parsers(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--cycle-s", type=float, default=0.0,
                     help="seconds between cycles; 0 runs them back to back (bios-coordinator's default is 10)")
     up.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
+    up.add_argument("--collective-timeout", type=float, default=None,
+                    help="seconds a worker's collective may wait for a busier peer (default: bios-coordinator's, 600)")
     add_checkpoint_options(up)
     up.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
                     help="each worker's memory budget instead of its device's (e.g. 2GiB); a model that does not "
@@ -99,7 +101,8 @@ def run_up(args: argparse.Namespace) -> int:
     env = {"BIOS_MODEL_MAP": os.path.abspath(args.model_map)} if args.model_map else None
     cluster = LocalCluster(
         workers=args.workers, listen=args.listen, cycle_s=args.cycle_s, state_dir=args.state_dir,
-        heartbeat_timeout_s=args.heartbeat_timeout, worker_threads=args.worker_threads, http=args.http,
+        heartbeat_timeout_s=args.heartbeat_timeout, collective_timeout_s=args.collective_timeout,
+        worker_threads=args.worker_threads, http=args.http,
         metrics=args.metrics, checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         log_level=args.log_level, log_format=args.log_format, env=env, worker_memory_limit=args.memory_limit,
     )
