@@ -1,5 +1,5 @@
 """The web console in a real browser (headless Chromium): a keyed cluster trains two runs, one per key; the
-rendered pages list them (both for the admin's worker token, only its own for a key), draw a loss chart with one
+rendered pages list them (both for the admin key, only its own for a key), draw a loss chart with one
 point per step, show the worker as active, and a screenshot of a run page is not blank."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @dataclass
 class Trained:
     cluster: bios.LocalCluster
-    admin: str  # the worker token: sees every key's runs
+    admin: str  # the admin key: sees every key's runs
     alice: str
     bob: str
     alice_run: str
@@ -47,7 +47,7 @@ def trained(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("console")
     keys, _ = KeyStore.init(state_dir)
     alice, bob = str(keys.create("alice")), str(keys.create("bob"))
-    admin = str(keys.cluster.worker_token())
+    admin = str(keys.admin_key())
     keys.close()
     with bios.LocalCluster(state_dir=state_dir, http="127.0.0.1:0", worker_threads=1) as cluster:
         yield Trained(cluster, admin, alice, bob, _train(cluster, alice, 3), _train(cluster, bob, 2))

@@ -1,8 +1,8 @@
 """The read-only web console: static pages at `/` and the JSON they read under `/console/api/`.
 
 The pages (`console_static/`, plain HTML + JS drawing SVG; nothing to build) ask for a key and send it as a
-bearer token. A key sees its own runs; the cluster's worker token (which its admin holds, and which already
-admits workers that see every adapter) sees every key's runs. Without keys (a loopback cluster) everything is
+bearer token. A key sees its own runs; the cluster's admin key (`bios keys admin-key`) sees every key's runs
+(the worker token admits workers only and is refused here). Without keys (a loopback cluster) everything is
 the local owner's. Workers, queue and cycle timings are the cluster's, shown to any valid key.
 """
 
@@ -16,8 +16,8 @@ from aiohttp import web
 
 from bios import messages as m
 from bios.coordinator.server import Coordinator
+from bios.coordinator.store import StoredRun
 from bios.exceptions import BadRequestError, BiosAPIError
-from bios.security.keys import WORKER_TOKEN_PREFIX
 
 from .http_errors import bearer_token, http_status
 
@@ -69,8 +69,7 @@ class Console:
         keys = self.coordinator.keys
         if keys is None:
             return self.coordinator.authenticate(key)
-        if key is not None and key.startswith(WORKER_TOKEN_PREFIX):
-            keys.check_worker_token(key)
+        if keys.is_admin(key):  # the admin key (`bios keys admin-key`); the worker token is refused
             return None
         return self.coordinator.authenticate(key)
 
@@ -88,15 +87,41 @@ class Console:
         return dataclasses.asdict(await self._read(m.ListRunSummaries(limit, offset), viewer))
 
     async def run(self, request: web.Request, viewer: str | None) -> dict[str, Any]:
+        """A run page's data: summary, history (each point with its loss per token), config, checkpoints."""
         run_id = request.match_info["run_id"]
-        history = await self._read(m.GetTrainingRunMetrics(run_id, CHART_POINTS), viewer)
+        history = await self._read(m.GetTrainingRunMetrics(run_id, CHART_POINTS), viewer)  # checks the owner
         checkpoints = await self._read(m.ListCheckpoints(run_id), viewer)
-        return {**dataclasses.asdict(history), "checkpoints": [
-            {"path": c.bios_path, "type": c.checkpoint_type, "time": c.time, "size_bytes": c.size_bytes}
-            for c in checkpoints.checkpoints]}
+        stored = self.coordinator.store.get_run(run_id)
+        return {
+            "summary": dataclasses.asdict(history.summary),
+            "points": [{**dataclasses.asdict(p), "loss_per_token": _per_token(p)} for p in history.points],
+            "config": _config(stored) if stored is not None else {},
+            "user_metadata": getattr(stored, "user_metadata", None),
+            "checkpoints": [
+                {"path": c.bios_path, "type": c.checkpoint_type, "time": c.time, "size_bytes": c.size_bytes}
+                for c in checkpoints.checkpoints],
+        }
 
     async def cluster(self, request: web.Request, viewer: str | None) -> dict[str, Any]:
         return dataclasses.asdict(await self.front_door.query(m.GetClusterStatus()))
+
+
+def _per_token(point: m.MetricPoint) -> float | None:
+    """`loss:sum` over the step's input tokens: the history records no count of weighted tokens, and a sum
+    grows with the batch, so this is the loss that compares across batch sizes (prompt tokens included)."""
+    if point.loss is None or point.tokens <= 0:
+        return None
+    return point.loss / point.tokens
+
+
+def _config(run: StoredRun) -> dict[str, Any]:
+    """How a run was set up, as its record holds it: base model, LoRA shape, optimizer."""
+    info = run.info or {}
+    config: dict[str, Any] = {"base model": run.base_model}
+    config.update({k.replace("_", " "): info[k] for k in ("base_dtype", "arch", "num_parameters", "max_context_length")
+                   if k in info})
+    config.update({k if k == "optimizer" else f"lora {k.replace('_', ' ')}": v for k, v in run.lora_config.items()})
+    return config
 
 
 def _int(request: web.Request, name: str, default: int) -> int:
