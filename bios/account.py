@@ -24,6 +24,23 @@ def check_ttl(raw: object) -> int | None:
                               f"(10 years), or null for no expiry; got {raw!r}", field="ttl_seconds")
     return raw
 
+
+MAX_METADATA_ENTRIES, MAX_METADATA_CHARS = 64, 16384  # bounds on one run's or checkpoint's user_metadata
+
+
+def check_user_metadata(raw: object, field: str = "user_metadata") -> dict[str, str] | None:
+    """Tinker's `user_metadata`: an object of string values (None or empty: none), at most 64 entries and 16 KiB of
+    text; BadRequestError otherwise."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise BadRequestError(f"{field} must be an object of string keys and string values, got {raw!r:.200}",
+                              field=field)
+    if len(raw) > MAX_METADATA_ENTRIES or sum(len(k) + len(v) for k, v in raw.items()) > MAX_METADATA_CHARS:
+        raise BadRequestError(f"{field} is too large: at most {MAX_METADATA_ENTRIES} entries and "
+                              f"{MAX_METADATA_CHARS} characters of keys and values", field=field)
+    return dict(raw) or None
+
 # ------------------------------------------------------------------------------------------ records
 
 

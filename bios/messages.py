@@ -84,6 +84,7 @@ class CreateModel:
     with_optimizer: bool = False
     state: CheckpointState | None = None
     optimizer: t.OptimizerName = "adamw"
+    user_metadata: dict[str, str] | None = None  # kept with the run (Tinker's user_metadata); never read by training
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class SaveWeights:
     kind: Literal["weights", "sampler_weights", "external_weights"]
     overwrite: bool = False
     path: str = ""
+    user_metadata: dict[str, str] | None = None  # kept with the checkpoint (Tinker's user_metadata)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ class Sample:
     adapter_state: CheckpointState | None = None
     topk_prompt_logprobs: int = 0  # > 0: the k most likely tokens at every prompt position
     prompt_alt_tokens_k: int = 0  # > 0: k draws at every prompt position after the first
+    topk_sample_logprobs: int = 0  # > 0: the k most likely tokens (model logprobs) at every sampled position
+    target_prompt_logprobs: t.TensorData | None = None  # int64 [len(prompt) - 1, K] ids to score (-1: none)
+    stream: bool = False  # the worker pushes `SampleProgress` while it samples (the OpenAI gateway's streams)
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,19 @@ class Notice:
 
     request_id: str
     message: str
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """What a streaming sample (`Sample.stream`) has generated so far, sent by the worker while it samples and
+    forwarded by the coordinator to the request's waiters: for each of its sequences, the tokens (with their
+    logprobs and top-k) from position `offsets[i]` on. Positions make a repeat harmless; the final `RequestDone`
+    still carries the whole result, so a lost progress message loses nothing."""
+
+    cycle_id: int
+    request_id: str
+    offsets: list[int]
+    sequences: list[t.SampledSequence]
 
 
 @dataclass(frozen=True)
@@ -244,6 +262,7 @@ class GetSamplingSession:
 class ListTrainingRuns:
     limit: int = 20
     offset: int = 0
+    project_id: str | None = None  # only the runs of sessions in this project (Tinker's project label)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ MAX_SEED = 2**63 - 1  # seeds travel as int64 (LoRA init, sampling generators)
 MAX_SAMPLES_PER_REQUEST = 128
 CUSTOM_LOSS = "custom"  # the loss_fn of a forward_backward that runs a custom loss graph (Tinker's name)
 MAX_PROMPT_TOPK = 1024  # topk_prompt_logprobs / prompt_alt_tokens_k: a (prompt, k) table each
+MAX_SAMPLE_TOPK = 64  # topk_sample_logprobs: a (samples, max_tokens, k) table (vLLM's default cap is 20)
+MAX_TARGET_PROMPT_IDS = 1024  # target_prompt_logprobs: at most this many ids scored per prompt position
 MAX_ADDITIVE_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range [-2, 2]
 MAX_LORA_RANK = 512
 
@@ -335,12 +337,14 @@ def check_seed(seed: object, field_name: str, what: str) -> None:
 
 
 def check_sample(prompt: t.ModelInput | Sequence[int], num_samples: int, params: t.SamplingParams,
-                 limits: ModelLimits | None, *, topk_prompt_logprobs: int = 0, prompt_alt_tokens_k: int = 0) -> None:
+                 limits: ModelLimits | None, *, topk_prompt_logprobs: int = 0, prompt_alt_tokens_k: int = 0,
+                 topk_sample_logprobs: int = 0, target_prompt_logprobs: t.TensorData | None = None) -> None:
     """A sampling request; `limits` (when known) bounds token ids and the context and checks images."""
-    for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
-        if not _is_int(k) or not 0 <= k <= MAX_PROMPT_TOPK:
-            raise BadRequestError(f"{name} must be an integer between 0 (off) and {MAX_PROMPT_TOPK}, got {k!r}",
-                                  field=name)
+    for name, k, top in (("topk_prompt_logprobs", topk_prompt_logprobs, MAX_PROMPT_TOPK),
+                         ("prompt_alt_tokens_k", prompt_alt_tokens_k, MAX_PROMPT_TOPK),
+                         ("topk_sample_logprobs", topk_sample_logprobs, MAX_SAMPLE_TOPK)):
+        if not _is_int(k) or not 0 <= k <= top:
+            raise BadRequestError(f"{name} must be an integer between 0 (off) and {top}, got {k!r}", field=name)
     if not _is_int(num_samples) or not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
         raise BadRequestError(f"num_samples must be an integer between 1 and {MAX_SAMPLES_PER_REQUEST}, got "
                               f"{num_samples!r}", field="num_samples")
@@ -373,6 +377,25 @@ def check_sample(prompt: t.ModelInput | Sequence[int], num_samples: int, params:
     check_seed(params.seed, "sampling_params.seed", "sampling_params.seed")
     _check_stop(params.stop, limits)
     _check_penalties(params)
+    if target_prompt_logprobs is not None:
+        check_target_prompt_logprobs(target_prompt_logprobs, n, limits)
+
+
+def check_target_prompt_logprobs(targets: t.TensorData, prompt_length: int, limits: ModelLimits | None) -> None:
+    """Tinker's `target_prompt_logprobs`: int64 ids `[len(prompt) - 1, K]`, each in the vocabulary or -1 (none)."""
+    where = "target_prompt_logprobs"
+    if not isinstance(targets, t.TensorData) or targets.dtype != "int64":
+        raise BadRequestError(f"{where} must be an int64 tensor of token ids", field=where)
+    shape = targets.shape
+    if len(shape) != 2 or shape[0] != prompt_length - 1 or not 1 <= shape[1] <= MAX_TARGET_PROMPT_IDS:
+        raise BadRequestError(f"{where} must have shape [len(prompt) - 1, K] = [{prompt_length - 1}, K] with 1 <= K "
+                              f"<= {MAX_TARGET_PROMPT_IDS}, got {shape}", field=where)
+    ids = targets.to_numpy()
+    top = limits.vocab_size if limits is not None else np.iinfo(np.int64).max
+    bad = ids[(ids < -1) | (ids >= top)]
+    if bad.size:
+        vocab = f"{limits.name}'s vocabulary [0, {limits.vocab_size})" if limits is not None else "[0, vocab)"
+        raise BadRequestError(f"{where} has token id {int(bad[0])}, neither -1 (none) nor in {vocab}", field=where)
 
 
 def _check_penalties(params: t.SamplingParams) -> None:

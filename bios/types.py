@@ -281,6 +281,9 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float] | None = None
     sequence_id: str | None = None
+    # `topk_sample_logprobs=k`: the k most likely tokens at each generated position and their logprobs under the
+    # model's own log-softmax (before penalties, temperature and filters), a dense `(len(tokens), k)` pair
+    topk_logprobs: TopkLogprobs | None = None
 
 
 # Tinker's filler for the empty cells of a `TopkLogprobs` (with token id 0).
@@ -311,6 +314,9 @@ class SampleResponse:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: TopkLogprobs | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
+    # the logprobs of the ids of the request's `target_prompt_logprobs` ([len(prompt) - 1, K], cell [i, j] scored at
+    # prompt position i + 1): float32, same shape, 0.0 where the request had -1
+    target_prompt_logprobs: TensorData | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +390,7 @@ class Checkpoint:
     time: float
     bios_path: str
     size_bytes: int | None = None
+    user_metadata: dict[str, str] | None = None  # what the save attached
 
 
 @dataclass(frozen=True)
@@ -397,6 +404,8 @@ class TrainingRun:
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     optimizer: OptimizerName = "adamw"
+    user_metadata: dict[str, str] | None = None  # what the run's creation attached
+    lora: LoraConfig | None = None  # what the adapter trains (rank, seed, train_* flags); None if not recorded
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import AuthenticationError, BadRequestError
 from bios.gateway import json_wire as gateway
 from bios.gateway import proto
-from bios.security.keys import ApiKey, KeyStore, WorkerToken
+from bios.security.keys import AdminKey, ApiKey, KeyStore, WorkerToken
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import DecodeError, Envelope
 from bios import spec
@@ -341,13 +341,14 @@ def _mutated(rng: random.Random, text: str) -> str:
 @given(seed=SEEDS)
 def test_fuzz_api_keys_and_tokens_raise_only_authentication_error(seed: int, key_store: KeyStore) -> None:
     key = str(ApiKey(key_store.list()[0].key_id, bytes(24), key_store.cluster.server_public_key))  # id right
-    valid = [key, "tml-" + key, str(key_store.cluster.worker_token())]
+    valid = [key, "tml-" + key, str(key_store.cluster.worker_token()), "tml-" + str(key_store.admin_key())]
 
     def build(rng: random.Random) -> str:
         return _mutated(rng, rng.choice(valid)) if rng.random() < 0.8 else _text(rng)
 
     def validate(text: str) -> None:
-        for parse in (ApiKey.parse, WorkerToken.parse, key_store.authenticate, key_store.check_worker_token):
+        for parse in (ApiKey.parse, WorkerToken.parse, AdminKey.parse, key_store.authenticate,
+                      key_store.check_worker_token, key_store.is_admin):
             try:
                 parse(text)
             except AuthenticationError:

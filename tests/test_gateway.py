@@ -196,7 +196,7 @@ def test_checkpoints_sampling_and_resume(tinker_service, native_service):
 
     # A named sampler checkpoint opens its own sampling client; prompt logprobs come back with None first.
     scored = tinker_service.create_sampling_client(model_path=path).result()
-    assert scored.get_base_model() == BASE
+    assert scored.get_base_model() == json_wire.builtin_dir(BASE)  # a built-in is reported as its directory
     logprobs = scored.compute_logprobs(prompt).result(60)
     assert logprobs[0] is None and len(logprobs) == prompt.length
     assert all(lp is not None and lp <= 0 for lp in logprobs[1:])
@@ -322,7 +322,7 @@ def test_asample_promises_carry_one_sequence_id_per_sample(http):
     session_id = http.post("/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "raw"}).json()
     sampler = http.post("/create_sampling_session", json={"session_id": session_id["session_id"],
                                                          "sampling_session_seq_id": 0, "base_model": BASE}).json()
-    assert http.get(f"/samplers/{sampler['sampling_session_id']}").json()["base_model"] == BASE
+    assert http.get(f"/samplers/{sampler['sampling_session_id']}").json()["base_model"] == json_wire.builtin_dir(BASE)
     body = {"sampling_session_id": sampler["sampling_session_id"], "seq_id": 0, "num_samples": 3,
             "prompt": {"chunks": [{"tokens": _tokens("Hi"), "type": "encoded_text"}]},
             "sampling_params": {"max_tokens": 4, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "seed": 3},
@@ -332,8 +332,8 @@ def test_asample_promises_carry_one_sequence_id_per_sample(http):
     reply = _retrieve(http, promise["request_id"])
     assert reply.headers["content-type"] == "application/x-protobuf"
     assert len(deserialize_sample_response(reply.content).sequences) == 3
-    unsupported = http.post("/asample", json={**body, "seq_id": 1, "topk_sample_logprobs": 5})
-    assert "topk_sample_logprobs" in _json_error(unsupported, 400)
+    too_many = http.post("/asample", json={**body, "seq_id": 1, "topk_sample_logprobs": 65})  # (1..64 are served)
+    assert "topk_sample_logprobs" in _json_error(too_many, 400)
 
 
 

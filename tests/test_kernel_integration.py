@@ -24,7 +24,7 @@ import bios
 from bios import types
 from bios.models import load_base_model
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput
-from bios.worker import attention, fused_llama, lora, stacked_layers
+from bios.worker import attention, compute_mode, fused_llama, lora, stacked_layers
 from bios.worker.adapter import AdapterState
 from bios.worker.checkpoint import export_state
 from bios.worker.compute_mode import BaseDtype, base_dtype, kernels_enabled, native_bf16
@@ -239,10 +239,13 @@ def test_bf16_base_mode_keeps_adapters_fp32_and_trains_alike_with_kernels_on_and
 def test_base_dtype_is_bf16_only_where_the_hardware_multiplies_it_natively_unless_the_environment_says(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("BIOS_BASE_DTYPE", raising=False)
+    monkeypatch.setattr(compute_mode, "c_isa", lambda: "AVX512")  # the CPU features below, with AVX-512 code
     for capabilities, expected in (({"avx512_bf16": True}, torch.bfloat16), ({"amx_bf16": True}, torch.bfloat16),
                                    ({"avx512_f": True, "avx512_bf16": False}, None)):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda capabilities=capabilities: capabilities)
         assert base_dtype(cpu).dtype is expected
+    monkeypatch.setattr(compute_mode, "c_isa", lambda: "AVX2")  # BIOS_C_ISA=avx2: as an AVX2-only CPU chooses
+    assert base_dtype(cpu).dtype is None
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: not including_emulation)
     assert base_dtype(cuda).dtype is torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: including_emulation)

@@ -19,6 +19,7 @@ from typing import Any
 from bios import ids, images, spec
 from bios import messages as m
 from bios import types as t
+from bios.account import check_user_metadata
 from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
 from bios.models.memory_plan import model_shape
@@ -145,7 +146,9 @@ class Admission:
             spec.check_sample(op.prompt, op.num_samples, op.sampling_params,
                               self._limits(sampler.base_model, infos),
                               topk_prompt_logprobs=op.topk_prompt_logprobs,
-                              prompt_alt_tokens_k=op.prompt_alt_tokens_k)
+                              prompt_alt_tokens_k=op.prompt_alt_tokens_k,
+                              topk_sample_logprobs=op.topk_sample_logprobs,
+                              target_prompt_logprobs=op.target_prompt_logprobs)
             max_tokens = op.sampling_params.max_tokens or 1
             self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
         except BiosAPIError as exc:
@@ -184,6 +187,7 @@ class Admission:
         if model_id in runs:
             raise BadRequestError(f"model {model_id} already exists", field="model_seq_id")
         op = self.load_starting_state(op, owner)
+        check_user_metadata(op.user_metadata)
         spec.check_lora(op.lora)
         spec.check_optimizer(op.optimizer)
         if not isinstance(op.base_model, str) or not op.base_model:
@@ -227,6 +231,7 @@ class Admission:
         elif isinstance(op, m.SaveWeights):
             name = op.name if op.name is not None else f"{op.seq_id:06d}-{_digest(run.model_id)}"
             check_name(name)
+            check_user_metadata(op.user_metadata)
             path = CheckpointPath(run.model_id, op.kind, name)
             self.catalog.check_free(path, overwrite=op.overwrite or op.kind == "sampler_weights")
             return dataclasses.replace(op, name=name, path=str(path))

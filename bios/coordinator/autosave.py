@@ -41,7 +41,7 @@ class AutoSave:
         path = CheckpointPath.parse(op.path)
         automatic = ids.is_automatic(request_id)
         try:
-            self.catalog.save(path, saved.state, owner=owner, automatic=automatic)
+            self.catalog.save(path, saved.state, owner=owner, automatic=automatic, user_metadata=op.user_metadata)
         except Exception as exc:  # any failure to write fails this save alone, with its cause
             log.exception("could not write checkpoint %s", path)
             return None, RemoteError("RequestFailedError", f"could not write checkpoint {path}: {exc}",

@@ -38,9 +38,10 @@ class Catalog:
             raise ConflictError(f"checkpoint {path} already exists; pick another name or pass overwrite=True",
                                 field="name")
 
-    def save(self, path: CheckpointPath, state: CheckpointState, *, owner: str, automatic: bool) -> StoredCheckpoint:
-        """Write a checkpoint's files, then its row; RequestFailedError naming the full state directory (and
-        nothing left behind) if it does not fit."""
+    def save(self, path: CheckpointPath, state: CheckpointState, *, owner: str, automatic: bool,
+             user_metadata: dict[str, str] | None = None) -> StoredCheckpoint:
+        """Write a checkpoint's files, then its row (with the save's `user_metadata`); RequestFailedError naming
+        the full state directory (and nothing left behind) if it does not fit."""
         self.disk.ensure_room(self.files.size_of(state))
         replacing = self.store.get_checkpoint(str(path)) is not None
         try:
@@ -52,6 +53,7 @@ class Catalog:
         record = StoredCheckpoint(
             path=str(path), run_id=path.run_id, kind=path.kind, name=path.name, owner=owner, created=time.time(),
             size_bytes=size, step=int(state.metadata.get("step", 0)), automatic=automatic,
+            user_metadata=user_metadata or None,
         )
         try:
             self.store.add_checkpoint(record)
@@ -120,6 +122,8 @@ class Catalog:
             last_checkpoint=as_checkpoint(training[-1]) if training else None,
             last_sampler_checkpoint=as_checkpoint(sampler[-1]) if sampler else None,
             optimizer=from_stored_config(run.lora_config)[1],
+            user_metadata=run.user_metadata,
+            lora=from_stored_config(run.lora_config)[0] if run.lora_config else None,
         )
 
 
@@ -130,4 +134,5 @@ def as_checkpoint(record: StoredCheckpoint) -> t.Checkpoint:
         time=record.created,
         bios_path=record.path,
         size_bytes=record.size_bytes,
+        user_metadata=record.user_metadata,
     )

@@ -23,5 +23,5 @@ def copy_checkpoint(store: Store, catalog: Catalog, source: str, owner: str, ses
                   origin.lora_config if origin else {})
     store.set_run_status(run_id, ARCHIVED)
     target = CheckpointPath(run_id, record.kind, record.name)  # type: ignore[arg-type]
-    catalog.save(target, state, owner=owner, automatic=False)
+    catalog.save(target, state, owner=owner, automatic=False, user_metadata=record.user_metadata)
     return str(target)

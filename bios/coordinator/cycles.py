@@ -251,6 +251,13 @@ class CycleRunner:
                     member.sampler_paths.add(op.path)
             self.scheduler.tell(Finished(done))
 
+    def sample_progress(self, worker_id: str, progress: m.SampleProgress) -> None:
+        """A streaming sample's tokens so far: to its waiters, while it still runs in this cycle."""
+        cycle = self.current
+        if (cycle is not None and progress.cycle_id == cycle.cycle_id and worker_id in cycle.workers
+                and progress.request_id in cycle.expected and progress.request_id not in cycle.finished):
+            self.scheduler.tell(progress)
+
     def worker_done(self, worker_id: str, done: m.CycleDone) -> None:
         cycle = self.current
         if cycle is None or cycle.cycle_id != done.cycle_id or worker_id not in cycle.waiting:

@@ -19,7 +19,8 @@ import zmq
 from bios.actors import loop as event_loop
 from bios.cli_support import HelpFormatter, add_checkpoint_options, add_state_dir
 from bios.security.limits import Quotas
-from bios.security.listen import InsecureListenError
+from bios.security.keys import KeyStore
+from bios.security.listen import InsecureListenError, check_http
 
 from .metrics import JsonLogFormatter, serve_metrics
 from .cycles import DEFAULT_COLLECTIVE_TIMEOUT_S
@@ -48,9 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(their clients are told to resend it)")
     add_checkpoint_options(p)
     p.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="also serve the Tinker-compatible HTTP API here (port 0 picks a free one; default: off)")
+                   help="also serve the Tinker-compatible HTTP API, the web console and /v1 here (port 0 picks a free "
+                        "one; default: off); beyond loopback only with keys (bios keys init)")
     p.add_argument("--metrics", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; default: off)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free one; default: off); "
+                        "aggregate counters, served without a key")
     p.add_argument("--ready-file", type=Path, default=None, help="write the bound addresses here as JSON")
     p.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"),
                    help="DEBUG logs every request ($BIOS_LOG_LEVEL)")
@@ -74,6 +77,8 @@ async def run(args: argparse.Namespace) -> None:
         keep_checkpoints=args.keep_checkpoints,
         quotas=Quotas.from_env(),
     )
+    if args.http:  # before anything binds: a refused --http starts nothing (--listen is checked by Coordinator)
+        check_http(args.http, keys=KeyStore.path_in(args.state_dir).exists())
     coordinator = Coordinator(config)
     with _binding("--listen", args.listen):
         addresses = await coordinator.start()

@@ -19,7 +19,7 @@ from bios.security.keys import KeyInfo
 from .audit import AuditLog
 from .catalog import Catalog
 from .history import RunHistory
-from .labels import Labels
+from .labels import DEFAULT_PROJECT, Labels
 from .store import Store, StoredRun
 from .trace import RequestTimeline
 from .usage import Usage
@@ -46,6 +46,8 @@ class Queries:
     def answer(self, owner: str | None, body: Any) -> Any:
         if isinstance(body, m.ListTrainingRuns):
             runs = self.store.list_runs(owner)
+            if body.project_id is not None:
+                runs = self.in_project(runs, body.project_id, owner)
             page = runs[body.offset: body.offset + body.limit]
             return t.TrainingRunsResponse([self.catalog.training_run(r) for r in page],
                                           t.Cursor(body.offset, body.limit, len(runs)))
@@ -112,6 +114,12 @@ class Queries:
             last_checkpoint=checkpoints[-1].path if checkpoints else None,
             base_dtype=(run.info or {}).get("base_dtype"),  # type: ignore[arg-type]
         )
+
+    def in_project(self, runs: list[StoredRun], project_id: str, owner: str | None) -> list[StoredRun]:
+        """The runs whose session is in `project_id` now (its label from create_session or assign_session_project;
+        a session without one is in `default`); none for a project no session is in."""
+        projects = {s.session_id: s.project_id or DEFAULT_PROJECT for s in self.labels.sessions(owner)}
+        return [run for run in runs if projects.get(run.session_id, DEFAULT_PROJECT) == project_id]
 
     def run(self, run_id: str, owner: str | None) -> StoredRun:
         run = self.store.get_run(run_id)

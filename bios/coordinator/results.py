@@ -109,5 +109,13 @@ class ResultRouter:
         for peer in self.waiters.get(request_id, ()):
             await self.push(peer, frames)
 
-    def encode(self, done: m.RequestDone | m.Notice) -> list[bytes]:
+    async def progress(self, progress: m.SampleProgress) -> None:
+        """A streaming sample's tokens so far, to the peers waiting for it (nothing is logged: the result is)."""
+        peers = list(self.waiters.get(progress.request_id, ()))
+        if peers:
+            frames = self.encode(progress)
+            for peer in peers:
+                await self.push(peer, frames)
+
+    def encode(self, done: m.RequestDone | m.Notice | m.SampleProgress) -> list[bytes]:
         return [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), done))]

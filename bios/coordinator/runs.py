@@ -26,6 +26,14 @@ class Queued:
     stalls: int = 0  # cycles that aborted with every worker alive (a collective timed out) while running it
 
 
+@dataclass(frozen=True)
+class Returned:
+    """What `Run.cycle_aborted` did with an aborted cycle's unfinished requests."""
+
+    retried: list[Queued]  # back in the queue, to run again
+    given_up: list[Queued]  # their seq_ids used up: the caller fails them
+
+
 def stored_config(lora: t.LoraConfig, optimizer: t.OptimizerName) -> dict[str, object]:
     """What the store keeps of a run's training configuration (its `lora_config` column): LoRA shape and
     optimizer."""
@@ -130,7 +138,7 @@ class Run:
         self.in_flight.clear()
 
     def cycle_aborted(self, finished: set[str], *, worker_died: bool = False, stalled: bool = False,
-                      max_deaths: int = 2) -> list[Queued]:
+                      max_deaths: int = 2) -> Returned:
         """Return an aborted cycle's unfinished items (with the rejected ones between them) to the queue.
 
         With `worker_died`, each unfinished item counts a death; with `stalled`, a stall (the cycle could not
@@ -138,7 +146,7 @@ class Run:
         up) and returned, for the caller to fail: a batch that kills workers is not fed to the next, and a pass
         that cannot complete is not run forever.
         """
-        given_up = []
+        returned = Returned([], [])
         for seq_id, item in self.in_flight:
             if item.request_id in finished:
                 continue
@@ -146,9 +154,11 @@ class Run:
                 item.deaths += worker_died
                 item.stalls += stalled
                 if max(item.deaths, item.stalls) >= max_deaths:
-                    given_up.append(item)
+                    returned.given_up.append(item)
                     item = Queued(item.request_id, item.op, rejected=True)
+            if not item.rejected:
+                returned.retried.append(item)
             self.queue[seq_id] = item
             self.next_seq = min(self.next_seq, seq_id)
         self.in_flight.clear()
-        return given_up
+        return returned

@@ -109,6 +109,8 @@ class Scheduler(Actor):
             return await self._submit(message)
         if isinstance(message, SelectWork):
             return self._select()
+        if isinstance(message, m.SampleProgress):
+            return await self.results.progress(message)
         if isinstance(message, Finished):
             return await self._finished(message.done)
         if isinstance(message, CycleEnded):
@@ -194,7 +196,7 @@ class Scheduler(Actor):
             self.runs[fresh.target] = Run(fresh.target, op.session_id, sub.owner, op.base_model, op.lora,
                                           optimizer=op.optimizer)
             self.store.add_run(fresh.target, op.session_id, sub.owner, op.base_model,
-                               stored_config(op.lora, op.optimizer))
+                               stored_config(op.lora, op.optimizer), op.user_metadata)
         self.store.add_request(fresh.request_id, fresh.target, fresh.seq_id, type(op).__name__, sub.frames)
         self.ledger.record(fresh.request_id, sub.owner, nbytes=sub.nbytes, sampling=sampling)
         self.metrics.request_accepted(fresh.request_id, op)
@@ -333,15 +335,14 @@ class Scheduler(Actor):
             if not ended.aborted:
                 run.cycle_committed()
                 continue
-            for queued in run.cycle_aborted(set(ended.finished), worker_died=died, stalled=ended.stalled):
+            returned = run.cycle_aborted(set(ended.finished), worker_died=died, stalled=ended.stalled)
+            for queued in returned.given_up:
                 why = (killed_twice(queued, self.planner.budgets()) if queued.deaths >= queued.stalls
                        else stalled_twice(queued, ended.why))
                 await self.results.deliver(queued.request_id, queued.op, None,
                                            RemoteError("RequestFailedError", why, request_id=queued.request_id))
-            if ended.stalled:
-                for queued in run.queue.values():
-                    if queued.stalls == 1 and not queued.rejected:
-                        await self.results.notify(queued.request_id, stalled_once(ended.why))
+            for queued in returned.retried if ended.stalled else ():
+                await self.results.notify(queued.request_id, stalled_once(ended.why))
         if died:
             await self._retry_smaller()
         if ended.aborted:

@@ -99,9 +99,10 @@ class Coordinator:
         self.codec = m.make_codec()
         client_codec = m.make_codec(Limits(max_message_bytes=config.quotas.max_message_bytes))
         self.zap: ZapHandler | None = None
-        if self.keys is None:
-            self.clients = Router(self.ctx, client_codec)
-            self.workers = Router(self.ctx, self.codec)
+        if self.keys is None:  # a ZAP domain without a handler admits everyone, but makes libzmq hang up at once
+            # on a peer that is not ZeroMQ 3 (an HTTP client such as the Tinker SDK at the wrong port), as with keys
+            self.clients = Router(self.ctx, client_codec, zap_domain=CLIENT_DOMAIN)
+            self.workers = Router(self.ctx, self.codec, zap_domain=WORKER_DOMAIN)
         else:  # CurveZMQ on both sockets; the ZAP handler admits only token holders to the worker socket
             security = self.keys.cluster.server_security()
             self.zap = ZapHandler(self.ctx, self.keys.cluster.worker_token().curve_public_key())
@@ -348,6 +349,8 @@ class Coordinator:
             self.membership.heartbeat(worker_id, peer)
         elif isinstance(body, m.ItemDone):
             self.runner.item_done(worker_id, body)
+        elif isinstance(body, m.SampleProgress):
+            self.runner.sample_progress(worker_id, body)
         elif isinstance(body, m.CycleDone):
             self.runner.worker_done(worker_id, body)
         elif isinstance(body, m.Reconfigured):

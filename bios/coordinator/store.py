@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created REAL NOT NULL,
     last_request_time REAL NOT NULL,
     status TEXT NOT NULL,
-    info TEXT
+    info TEXT,
+    user_metadata TEXT
 );
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY,
@@ -64,7 +65,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     created REAL NOT NULL,
     size_bytes INTEGER NOT NULL,
     step INTEGER NOT NULL,
-    automatic INTEGER NOT NULL DEFAULT 0
+    automatic INTEGER NOT NULL DEFAULT 0,
+    user_metadata TEXT
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_run ON checkpoints (run_id, created);
 CREATE TABLE IF NOT EXISTS committed (
@@ -79,6 +81,13 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
     created REAL NOT NULL
 );
 """
+
+# Columns added since the first schema: (table, column, type). A state directory written before them gets them
+# (NULL for its existing rows) when a coordinator opens it.
+ADDED_COLUMNS = (
+    ("runs", "user_metadata", "TEXT"),
+    ("checkpoints", "user_metadata", "TEXT"),
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,7 @@ class StoredRun:
     last_request_time: float
     status: str
     info: dict[str, object] | None
+    user_metadata: dict[str, str] | None = None  # what the client attached at creation (Tinker's user_metadata)
 
 
 class Store:
@@ -124,6 +134,14 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Migrate a state directory written by an earlier Bios: add the columns it lacks."""
+        for table, column, kind in ADDED_COLUMNS:
+            present = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})").fetchall()}
+            if column not in present:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -159,11 +177,13 @@ class Store:
 
     # ------------------------------------------------------------------------------------ runs
 
-    def add_run(self, model_id: str, session_id: str, owner: str, base_model: str, lora_config: dict[str, object]) -> None:
+    def add_run(self, model_id: str, session_id: str, owner: str, base_model: str, lora_config: dict[str, object],
+                user_metadata: dict[str, str] | None = None) -> None:
         now = time.time()
         self.db.execute(
-            "INSERT OR IGNORE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, 'creating', NULL)",
-            (model_id, session_id, owner, base_model, json.dumps(lora_config), now, now),
+            "INSERT OR IGNORE INTO runs (model_id, session_id, owner, base_model, lora_config, created, "
+            "last_request_time, status, info, user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, 'creating', NULL, ?)",
+            (model_id, session_id, owner, base_model, json.dumps(lora_config), now, now, _json(user_metadata)),
         )
 
     def set_run_status(self, model_id: str, status: str, info: dict[str, object] | None = None) -> None:
@@ -178,11 +198,12 @@ class Store:
         self.db.execute("DELETE FROM runs WHERE model_id = ?", (model_id,))
 
     def get_run(self, model_id: str) -> StoredRun | None:
-        row = self.db.execute("SELECT * FROM runs WHERE model_id = ?", (model_id,)).fetchone()
+        row = self.db.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE model_id = ?", (model_id,)).fetchone()
         return None if row is None else _run(row)
 
     def live_runs(self) -> list[StoredRun]:
-        rows = self.db.execute("SELECT * FROM runs WHERE status IN ('creating', 'ready') ORDER BY created").fetchall()
+        rows = self.db.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE status IN ('creating', 'ready') "
+                               "ORDER BY created").fetchall()
         return [_run(r) for r in rows]
 
     def sampling_sessions(self) -> list[tuple[str, str, str, str | None]]:
@@ -192,9 +213,10 @@ class Store:
 
     def list_runs(self, owner: str | None = None) -> list[StoredRun]:
         if owner is None:
-            rows = self.db.execute("SELECT * FROM runs ORDER BY created").fetchall()
+            rows = self.db.execute(f"SELECT {_RUN_COLUMNS} FROM runs ORDER BY created").fetchall()
         else:
-            rows = self.db.execute("SELECT * FROM runs WHERE owner = ? ORDER BY created", (owner,)).fetchall()
+            rows = self.db.execute(f"SELECT {_RUN_COLUMNS} FROM runs WHERE owner = ? ORDER BY created",
+                                   (owner,)).fetchall()
         return [_run(r) for r in rows]
 
     # ------------------------------------------------------------------------------------ requests
@@ -230,18 +252,19 @@ class Store:
 
     def add_checkpoint(self, ckpt: StoredCheckpoint) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO checkpoints ({_CHECKPOINT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (ckpt.path, ckpt.run_id, ckpt.kind, ckpt.name, ckpt.owner, ckpt.created, ckpt.size_bytes, ckpt.step,
-             int(ckpt.automatic)),
+             int(ckpt.automatic), _json(ckpt.user_metadata)),
         )
 
     def get_checkpoint(self, path: str) -> StoredCheckpoint | None:
-        row = self.db.execute("SELECT * FROM checkpoints WHERE path = ?", (path,)).fetchone()
-        return None if row is None else StoredCheckpoint(*row[:8], bool(row[8]))
+        row = self.db.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE path = ?", (path,)).fetchone()
+        return None if row is None else _checkpoint(row)
 
     def list_checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
-        rows = self.db.execute("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY created", (run_id,)).fetchall()
-        return [StoredCheckpoint(*r[:8], bool(r[8])) for r in rows]
+        rows = self.db.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE run_id = ? ORDER BY created",
+                               (run_id,)).fetchall()
+        return [_checkpoint(r) for r in rows]
 
     def delete_checkpoint(self, path: str) -> None:
         self.db.execute("DELETE FROM checkpoints WHERE path = ?", (path,))
@@ -310,10 +333,26 @@ class StoredCheckpoint:
     size_bytes: int
     step: int
     automatic: bool
+    user_metadata: dict[str, str] | None = None  # what the client attached to the save (Tinker's user_metadata)
+
+
+_RUN_COLUMNS = ("model_id, session_id, owner, base_model, lora_config, created, last_request_time, status, info, "
+                "user_metadata")
+_CHECKPOINT_COLUMNS = "path, run_id, kind, name, owner, created, size_bytes, step, automatic, user_metadata"
+
+
+def _json(value: dict[str, str] | None) -> str | None:
+    return json.dumps(value) if value else None
+
+
+def _checkpoint(row: tuple[object, ...]) -> StoredCheckpoint:
+    metadata = row[9]
+    return StoredCheckpoint(*row[:8], bool(row[8]),  # type: ignore[arg-type]
+                            user_metadata=json.loads(str(metadata)) if metadata else None)
 
 
 def _run(row: tuple[object, ...]) -> StoredRun:
-    model_id, session_id, owner, base_model, lora, created, last, status, info = row
+    model_id, session_id, owner, base_model, lora, created, last, status, info, metadata = row
     return StoredRun(
         model_id=str(model_id),
         session_id=str(session_id),
@@ -324,4 +363,5 @@ def _run(row: tuple[object, ...]) -> StoredRun:
         last_request_time=float(last),  # type: ignore[arg-type]
         status=str(status),
         info=None if info is None else json.loads(str(info)),
+        user_metadata=json.loads(str(metadata)) if metadata else None,
     )

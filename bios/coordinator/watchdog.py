@@ -16,7 +16,11 @@ from bios.actors.actor import ActorRef
 from .front_door import FrontDoor
 from .mailbox import ExpireGaps, NotifyWaiting, QueueDepth, Stalled
 
-NO_WORKER = "no worker is connected: it runs when one is (start one with bios-worker)"
+NO_WORKER = ("no worker is connected (the cluster's workers left or died): it runs when one joins; `bios status` "
+             "shows the workers, and `bios-worker --coordinator ADDRESS` starts one")
+# Before any worker joined: `bios up`'s own workers may still be starting (loading their models).
+NO_WORKER_YET = ("no worker has joined yet: it runs when one does (workers that `bios up` started join once they "
+                 "have started; elsewhere start one with `bios-worker --coordinator ADDRESS`)")
 PROGRESS_EVERY_S = 30.0  # the longest pause between progress checks (and so between NO_WORKER notices)
 from .membership import Membership
 
@@ -70,8 +74,9 @@ class Watchdog:
                 log.warning("no progress: %s", why)
             waiting = await self.scheduler.ask(QueueDepth())
             if waiting and not self.membership.alive():
-                log.warning("%d request(s) wait: %s", waiting, NO_WORKER)
-                await self.scheduler.ask(NotifyWaiting(NO_WORKER))
+                why = NO_WORKER if self.membership.members else NO_WORKER_YET
+                log.warning("%d request(s) wait: %s", waiting, why)
+                await self.scheduler.ask(NotifyWaiting(why))
             for session_id in self.front_door.expire_sessions(self.session_timeout_s):
                 log.info("session %s closed: nothing heard from it for %.0fs", session_id, self.session_timeout_s)
             for path in self.front_door.expire_checkpoints():

@@ -2,9 +2,10 @@
 bodies (every 4xx/5xx has one).
 
 Who: every `/api/v1` request carries `X-API-Key`. A Bios API key (`tml-bios_...`) acts for its own key id; the
-cluster's worker token sent as `tml-biosworker_...` is the admin, as in the web console (whoever holds it
-already runs workers that see every adapter): it may read every key's usage, audit log and sessions, and owns
-no work itself. Without keys every `tml-` key is the one local owner.
+cluster's admin key (`bios keys admin-key`) sent as `tml-biosadmin_...` is the admin, as in the web console: it
+may read every key's usage, audit log and sessions, and owns no work itself. The worker token admits workers
+only and is refused here, with the command that prints the admin key. Without keys every `tml-` key is the one
+local owner.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from aiohttp import web
 from bios.actors.actor import ActorStopped
 from bios.coordinator.server import Coordinator
 from bios.exceptions import AuthenticationError, BadRequestError, BiosAPIError, RateLimitError
-from bios.security.keys import TINKER_PREFIX, WORKER_TOKEN_PREFIX
+from bios.security.keys import TINKER_PREFIX
 
 from . import json_wire
 from .futures import PROTOBUF
@@ -54,15 +55,18 @@ def identify(api_key: str | None, coordinator: Coordinator, tokens: Tokens) -> C
     AuthenticationError for a missing, malformed, wrong or revoked one."""
     if api_key and api_key.startswith(JWT_PREFIX):
         owner, admin = tokens.verify(api_key)
-        if not admin and coordinator.keys is not None and not coordinator.keys.is_active(owner):
+        if admin is not None:
+            if coordinator.keys is None or admin != coordinator.keys.admin_fingerprint():
+                raise InvalidToken("the admin key this token was issued for was replaced (bios keys admin-key "
+                                   "--rotate): exchange the new one at /api/v1/auth/token")
+            return Caller(owner, admin=True)
+        if coordinator.keys is not None and not coordinator.keys.is_active(owner):
             raise AuthenticationError("the API key this token was issued for was revoked")
-        return Caller(owner, admin)
+        return Caller(owner)
     if not api_key or not api_key.startswith(TINKER_PREFIX):
         raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
                                   "ServiceClient or set TINKER_API_KEY=tml-...")
-    bare = api_key[len(TINKER_PREFIX):]
-    if coordinator.keys is not None and bare.startswith(WORKER_TOKEN_PREFIX):
-        coordinator.keys.check_worker_token(bare)
+    if coordinator.keys is not None and coordinator.keys.is_admin(api_key):
         return Caller(ADMIN_OWNER, admin=True)
     return Caller(coordinator.authenticate(api_key))
 

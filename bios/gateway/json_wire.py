@@ -16,6 +16,7 @@ from typing import Any
 
 from bios import messages as m
 from bios import types as t
+from bios.account import check_user_metadata
 from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
 from bios.exceptions import ERROR_TYPES, BadRequestError
@@ -88,7 +89,12 @@ def create_model(body: Body) -> m.CreateModel:
         train_attn=lora.flag("train_attn", True),
     )
     return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model"), config,
-                         optimizer=optimizer)
+                         optimizer=optimizer, user_metadata=_user_metadata(body))
+
+
+def _user_metadata(body: Body) -> dict[str, str] | None:
+    """A request's `user_metadata` (kept with the run or checkpoint it creates), checked."""
+    return check_user_metadata(body.data.get("user_metadata"), body._field("user_metadata"))
 
 
 def _model_seq_id(body: Body) -> int:
@@ -117,7 +123,8 @@ def load_weights(body: Body) -> m.LoadWeights | m.CreateModel:
     path, optimizer = body.text("path"), body.flag("optimizer", False)
     if body.data.get("session_id") is not None:  # with the optimizer state, the checkpoint's optimizer wins
         return m.CreateModel(body.text("session_id"), _model_seq_id(body), body.text("base_model", ""),
-                             t.LoraConfig(), from_path=path, with_optimizer=optimizer, optimizer=_optimizer(body))
+                             t.LoraConfig(), from_path=path, with_optimizer=optimizer, optimizer=_optimizer(body),
+                             user_metadata=_user_metadata(body))
     if body.data.get("model_id") is None:
         raise BadRequestError("load_weights needs model_id and seq_id (load into a run) or session_id and "
                               "model_seq_id (a new run from the checkpoint)", field="model_id")
@@ -162,7 +169,7 @@ def optim_step(body: Body) -> m.OptimStep:
 
 def save_weights(body: Body) -> m.SaveWeights:
     return m.SaveWeights(body.text("model_id"), _seq_id(body), body.text("path"), "weights",
-                         overwrite=body.flag("overwrite", False))
+                         overwrite=body.flag("overwrite", False), user_metadata=_user_metadata(body))
 
 
 def save_weights_external(body: Body) -> m.SaveWeights:
@@ -181,7 +188,8 @@ def save_weights_for_sampler(body: Body) -> tuple[m.SaveWeights, int | None]:
     if name is None and sampling_seq is None:
         raise BadRequestError("save_weights_for_sampler needs a path (a checkpoint name) or a "
                               "sampling_session_seq_id", field="path")
-    op = m.SaveWeights(body.text("model_id"), _seq_id(body), name, "sampler_weights")
+    op = m.SaveWeights(body.text("model_id"), _seq_id(body), name, "sampler_weights",
+                       user_metadata=_user_metadata(body))
     return op, None if name is not None else sampling_seq
 
 
@@ -192,10 +200,6 @@ def create_sampling_session(body: Body) -> m.CreateSamplingSession:
 
 def sample(body: Body) -> tuple[m.Sample, int | None]:
     """An asample request and its `prompt_logprobs_last_n`; what Bios cannot compute is refused, not ignored."""
-    if body.integer("topk_sample_logprobs", 0):
-        raise BadRequestError("topk_sample_logprobs is not supported by Bios; send 0", field="topk_sample_logprobs")
-    if body.data.get("target_prompt_logprobs") is not None:
-        raise BadRequestError("target_prompt_logprobs is not supported by Bios", field="target_prompt_logprobs")
     sampling_session_id = body.text("sampling_session_id", None)
     if sampling_session_id is None:
         raise BadRequestError("sampling_session_id is required: create one with create_sampling_session",
@@ -214,8 +218,45 @@ def sample(body: Body) -> tuple[m.Sample, int | None]:
         prompt_logprobs=prompt_logprobs,
         topk_prompt_logprobs=body.integer("topk_prompt_logprobs", 0),
         prompt_alt_tokens_k=body.integer("prompt_alt_tokens_k", 0),
+        topk_sample_logprobs=body.integer("topk_sample_logprobs", 0),
+        target_prompt_logprobs=target_ids(body.child("target_prompt_logprobs", None)),
     )
     return op, last_n
+
+
+def target_ids(body: Body | None) -> t.TensorData | None:
+    """Tinker's `target_prompt_logprobs` in its JSON form (`data`, `dtype`, `shape`, optionally sparse CSR with
+    `sparse_crow_indices` / `sparse_col_indices`): a dense int64 table, -1 in the cells a sparse one leaves out
+    (they request nothing)."""
+    if body is None:
+        return None
+    import numpy as np
+
+    where = "target_prompt_logprobs"
+    data, shape = body.array("data"), body.array("shape", None)
+    if body.text("dtype", "int64") != "int64" or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                          for x in data):
+        raise BadRequestError(f"{where} must hold int64 token ids", field=where)
+    if shape is None or len(shape) != 2 or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise BadRequestError(f"{where} needs a 2-D shape [len(prompt) - 1, K]", field=f"{where}.shape")
+    values = np.asarray(data, dtype=np.int64)
+    crow, cols = body.array("sparse_crow_indices", None), body.array("sparse_col_indices", None)
+    if crow is None and cols is None:
+        if values.size != shape[0] * shape[1]:
+            raise BadRequestError(f"{where} holds {values.size} values but its shape is {shape}", field=where)
+        return t.TensorData(values.reshape(shape), "int64")
+    try:
+        crow_a, cols_a = np.asarray(crow, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+    except (TypeError, ValueError):
+        crow_a = cols_a = np.zeros(0, dtype=np.int64)
+    rows_n, cols_n = shape
+    if (crow_a.ndim != 1 or crow_a.size != rows_n + 1 or cols_a.size != values.size or crow_a[0] != 0
+            or crow_a[-1] != values.size or (np.diff(crow_a) < 0).any()
+            or (cols_a.size and (cols_a.min() < 0 or cols_a.max() >= cols_n))):
+        raise BadRequestError(f"{where} has inconsistent sparse CSR indices for shape {shape}", field=where)
+    dense = np.full(shape, -1, dtype=np.int64)
+    dense[np.repeat(np.arange(rows_n), np.diff(crow_a)), cols_a] = values
+    return t.TensorData(dense, "int64")
 
 
 def model_input(body: Body) -> t.ModelInput:
@@ -306,7 +347,8 @@ def get_info(info: t.GetInfoResponse) -> dict[str, Any]:
         "type": "get_info",
         "model_id": info.model_id,
         "model_data": {"arch": info.model_data.arch, "model_name": info.model_data.model_name,
-                       "tokenizer_id": info.model_data.tokenizer_id},
+                       "tokenizer_id": info.model_data.tokenizer_id
+                       or _builtin_tokenizer(info.model_data.model_name)},
         "optimizer_config": optimizer_config(info.optimizer),
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank,
@@ -314,6 +356,15 @@ def get_info(info: t.GetInfoResponse) -> dict[str, Any]:
         # Bios's own: the tinker SDK's GetInfoResponse ignores fields it does not know (extra="ignore").
         "lora_targets": None if info.lora_targets is None else [dataclasses.asdict(g) for g in info.lora_targets],
     }
+
+
+def _builtin_tokenizer(model_name: str | None) -> str | None:
+    """For a run whose workers have not described its model (one restored from the state dir): a built-in's
+    directory, for `TrainingClient.get_tokenizer()`; None otherwise (the SDK then loads the model name)."""
+    if model_name is None:
+        return None
+    path = builtin_dir(model_name)
+    return None if path == model_name else path
 
 
 def checkpoint(ckpt: t.Checkpoint) -> dict[str, Any]:
@@ -324,6 +375,7 @@ def checkpoint(ckpt: t.Checkpoint) -> dict[str, Any]:
         "tinker_path": tinker_path(ckpt.bios_path),
         "size_bytes": ckpt.size_bytes,
         "public": False,
+        "user_metadata": ckpt.user_metadata,
     }
 
 
@@ -338,6 +390,7 @@ def training_run(run: t.TrainingRun) -> dict[str, Any]:
         "last_request_time": _time(run.last_request_time),
         "last_checkpoint": checkpoint(run.last_checkpoint) if run.last_checkpoint else None,
         "last_sampler_checkpoint": checkpoint(run.last_sampler_checkpoint) if run.last_sampler_checkpoint else None,
+        "user_metadata": run.user_metadata,
     }
 
 
@@ -348,13 +401,35 @@ def training_runs(resp: t.TrainingRunsResponse) -> dict[str, Any]:
 
 
 def weights_info(run: t.TrainingRun) -> dict[str, Any]:
+    """What a checkpoint's run trains: base model, optimizer, LoRA rank and which weights (the `train_*` flags,
+    as the run was created; None for a run that recorded none)."""
+    lora = run.lora
     return {"base_model": run.base_model, "optimizer_config": optimizer_config(run.optimizer), "is_lora": True,
-            "lora_rank": run.lora_rank}
+            "lora_rank": run.lora_rank,
+            "train_unembed": lora.train_unembed if lora else None, "train_mlp": lora.train_mlp if lora else None,
+            "train_attn": lora.train_attn if lora else None}
 
 
 def sampler(session: m.SamplingSession) -> dict[str, Any]:
-    return {"sampler_id": session.sampling_session_id, "base_model": session.base_model,
+    """`GET /samplers/{id}`. The SDK's `SamplingClient.get_tokenizer()` loads its `base_model` with transformers
+    and reads nothing else, so a built-in model, which no model hub has, is reported as its local directory."""
+    return {"sampler_id": session.sampling_session_id, "base_model": builtin_dir(session.base_model),
             "model_path": tinker_path(session.model_path)}
+
+
+def builtin_dir(base_model: str) -> str:
+    """A built-in model (`bios/tiny-llama`...) as its directory in this host's model cache (where it is written on
+    first use), which `AutoTokenizer.from_pretrained` loads offline; any other name unchanged (a hub name stays the
+    name the cookbook looks renderers up by). The SDK cuts a name at its first `:` and one with exactly two `/` to
+    `org/model`, so a directory with a `:` is not used and one with two `/` gets a trailing `/.`."""
+    from bios.models.cache import model_dir_for
+    from bios.models.registry import BUILTIN_NAMES, canonical_name
+
+    name = canonical_name(base_model)
+    path = str(model_dir_for(name))
+    if name not in BUILTIN_NAMES or ":" in path:
+        return base_model
+    return f"{path}/." if path.count("/") == 2 else path
 
 
 def capabilities(resp: t.GetServerCapabilitiesResponse) -> dict[str, Any]:

@@ -174,6 +174,8 @@ def sample_response(resp: t.SampleResponse, prompt_logprobs_last_n: int | None) 
         out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         if seq.logprobs is not None:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_logprobs is not None:
+            _topk(out.topk_sampled_logprobs, seq.topk_logprobs, None)
     if resp.prompt_logprobs is not None:
         values = np.array([math.nan if v is None else v for v in resp.prompt_logprobs], dtype="<f4")
         if prompt_logprobs_last_n is not None:
@@ -181,6 +183,8 @@ def sample_response(resp: t.SampleResponse, prompt_logprobs_last_n: int | None) 
         msg.prompt_logprobs = values.tobytes()
     if resp.topk_prompt_logprobs is not None:
         _topk(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs, prompt_logprobs_last_n)
+    if resp.target_prompt_logprobs is not None:
+        _dense(msg.target_prompt_logprobs, resp.target_prompt_logprobs)
     if resp.prompt_alt_tokens is not None:
         _dense(msg.prompt_alt_tokens.tokens, resp.prompt_alt_tokens.tokens)
         _dense(msg.prompt_alt_tokens.logprobs, resp.prompt_alt_tokens.logprobs)

@@ -2,7 +2,7 @@
 
 Usage is what `bios.coordinator.usage` accounts per key (training, prefill and sampled tokens, checkpoints
 saved, gigabyte-hours stored), in Tinker's hourly `BillingUsageEvent` shape; Bios prices nothing, so every cost
-and rate is null. A key reads its own usage and audit log; the admin (the worker token) reads every key's.
+and rate is null. A key reads its own usage and audit log; the admin (the admin key, `bios keys admin-key`) reads every key's.
 `auth/token` exchanges the calling key for a short-lived JWT (`client/config` sets `pjwt_auth_enabled`, so the
 SDK sends it instead of the key, and `RestClient.whoami` reads the key, as a URN, from its claims).
 """
@@ -56,7 +56,7 @@ class AccountRoutes:
             return web.json_response(_key_json(0, caller.owner, "a cluster without keys: every tml- key is the "
                                                "local owner", caller))
         if caller.admin:
-            return web.json_response(_key_json(0, "worker token", "the cluster's worker token: the admin", caller))
+            return web.json_response(_key_json(0, "admin key", "the cluster's admin key (bios keys admin-key)", caller))
         info = next(k for k in keys.list() if k.key_id == caller.owner)
         return web.json_response(_key_json(int(info.key_id, 16), info.name, f"created {rfc3339(info.created)}", caller))
 
@@ -66,8 +66,8 @@ class AccountRoutes:
         keys = self.coordinator.keys
         if keys is None or caller.admin:
             raise BadRequestError("only an API key can revoke itself; this cluster has no keys" if keys is None
-                                  else "the worker token cannot be revoked; rotate the cluster's keys with `bios "
-                                       "keys init` instead", field="X-API-Key")
+                                  else "the admin key cannot revoke itself; replace it with `bios keys admin-key "
+                                       "--rotate` instead", field="X-API-Key")
         name = next(k.name for k in keys.list() if k.key_id == caller.owner)
         keys.revoke(name)
         return web.json_response({})
@@ -75,7 +75,9 @@ class AccountRoutes:
     async def token(self, request: web.Request) -> web.Response:
         """A JWT for the calling key (the tinker SDK's exchange; `bios.gateway.tokens`)."""
         caller: Caller = request[CALLER]
-        return web.json_response({"jwt": self.tokens.issue(caller.owner, caller.admin)})
+        keys = self.coordinator.keys
+        admin = keys.admin_fingerprint() if caller.admin and keys is not None else None
+        return web.json_response({"jwt": self.tokens.issue(caller.owner, admin)})
 
     # ------------------------------------------------------------------------------------ audit
 

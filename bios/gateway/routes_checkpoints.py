@@ -71,7 +71,8 @@ class CheckpointRoutes:
         return out
 
     async def list_training_runs(self, request: web.Request) -> web.Response:
-        query = m.ListTrainingRuns(query_int(request, "limit", 20), query_int(request, "offset", 0))
+        query = m.ListTrainingRuns(query_int(request, "limit", 20), query_int(request, "offset", 0),
+                                   request.query.get("project_id") or None)  # runs of that project's sessions
         return web.json_response(json_wire.training_runs(await self.front_door.query(query, request[OWNER])))
 
     async def get_training_run(self, request: web.Request) -> web.Response:

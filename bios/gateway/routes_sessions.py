@@ -2,7 +2,7 @@
 
 A session's display name, user metadata, project and finish reason are kept (`bios.coordinator.labels`) for
 `get_session` and `search_sessions`. Bios has no projects to grant access to: a project id is a label, and a
-session without one is in project `default`. A key searches its own sessions; only the admin (the worker token)
+session without one is in project `default`. A key searches its own sessions; only the admin (the admin key)
 searches every key's. `trace_export` is ready at once: a link, served by this gateway, to the Chrome trace JSON
 (which Perfetto opens) of the session's training runs and sampling sessions, one process each.
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,7 @@ from bios.account import check_ttl
 from bios.actors.remote import RemoteError
 from bios.coordinator.server import Coordinator
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError
-from bios.security.listen import InsecureListenError
+from bios.security.listen import check_http
 
 from . import json_wire, proto
 from .console import Console
@@ -362,15 +361,6 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 async def start_gateway(coordinator: Coordinator, address: str, config: GatewayConfig | None = None) -> Gateway:
     """Serve the Tinker HTTP API for `coordinator` at `address` ("HOST:PORT"); `.url` says where, `stop()` ends it.
 
@@ -378,10 +368,7 @@ async def start_gateway(coordinator: Coordinator, address: str, config: GatewayC
     public bind is allowed; put TLS in front of it, since keys travel in a header.
     """
     host, port = _split_address(address)
-    if not _is_loopback(host) and not coordinator.keys_required:
-        raise InsecureListenError(f"refusing to serve the HTTP API on {host}: without API keys configured it "
-                                  "accepts any key, so it binds loopback only (e.g. --http 127.0.0.1:8000); "
-                                  "run `bios keys init --state-dir DIR` first to serve beyond loopback")
+    check_http(address, keys=coordinator.keys_required)
     gateway = Gateway(coordinator, config or GatewayConfig.from_env())
     await gateway.start(host, port)
     return gateway

@@ -44,15 +44,20 @@ class Tokens:
     def _sign(self, signing_input: str) -> str:
         return _b64(hmac.new(self._secret, signing_input.encode(), hashlib.sha256).digest())
 
-    def issue(self, owner: str, admin: bool) -> str:
+    def issue(self, owner: str, admin: str | None = None) -> str:
+        """A token for `owner`; `admin`: the fingerprint of the admin key it stands for (None for an API key's),
+        so replacing the admin key (`bios keys admin-key --rotate`) ends its tokens too."""
         now = int(time.time())
-        claims = {"sub": f"{KEY_URN}{owner}", "org_id": ORG, "email": "", "admin": admin, "iat": now,
-                  "exp": now + LIFETIME_S}
+        claims = {"sub": f"{KEY_URN}{owner}", "org_id": ORG, "email": "", "admin": admin is not None,
+                  "iat": now, "exp": now + LIFETIME_S}
+        if admin is not None:
+            claims["admin_key"] = admin
         signing_input = f"{self._header}.{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
         return f"{signing_input}.{self._sign(signing_input)}"
 
-    def verify(self, token: str) -> tuple[str, bool]:
-        """(owner, admin) of a token this gateway issued and that has not expired; InvalidToken otherwise."""
+    def verify(self, token: str) -> tuple[str, str | None]:
+        """(owner, admin key fingerprint or None) of a token this gateway issued and that has not expired;
+        InvalidToken otherwise."""
         header, _, rest = token.partition(".")
         payload, _, signature = rest.partition(".")
         if not signature or not hmac.compare_digest(self._sign(f"{header}.{payload}"), signature):
@@ -61,4 +66,5 @@ class Tokens:
         claims = json.loads(_unb64(payload))
         if float(claims["exp"]) <= time.time():
             raise InvalidToken("this token expired: exchange the API key for a new one at /api/v1/auth/token")
-        return str(claims["sub"]).removeprefix(KEY_URN), bool(claims.get("admin"))
+        admin = claims.get("admin_key") if claims.get("admin") else None
+        return str(claims["sub"]).removeprefix(KEY_URN), None if admin is None else str(admin)

@@ -114,7 +114,8 @@ class Connection:
         if not_bios:  # an HTTP server hangs up on the handshake too
             return exceptions.APIConnectionError(not_bios)
         if api_key is None:  # a keyless coordinator never refuses a plain handshake
-            message = f"{where} requires an API key: pass ServiceClient(api_key=...) or set BIOS_API_KEY"
+            message = (f"{where} requires an API key: set BIOS_API_KEY, or pass --api-key KEY to the bios command "
+                       "(api_key=... to ServiceClient); `bios keys create NAME` on the coordinator's host makes one")
         elif reason == MECHANISM_MISMATCH:
             message = f"{where} does not use API keys (it runs without `bios keys init`): connect without a key"
         elif reason == REFUSED:

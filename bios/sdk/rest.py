@@ -24,11 +24,15 @@ class RestClient:
     def _query(self, body: Any) -> APIFuture[Any]:
         return APIFuture(self._conn.spawn(self._conn.ask(body, 60.0)))
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[t.TrainingRunsResponse]:
-        return self._query(m.ListTrainingRuns(limit, offset))
+    def list_training_runs(self, limit: int = 20, offset: int = 0,
+                           project_id: str | None = None) -> APIFuture[t.TrainingRunsResponse]:
+        """This key's runs, oldest first; with `project_id`, only those of sessions in that project (set over the
+        Tinker API; a session without one is in `default`)."""
+        return self._query(m.ListTrainingRuns(limit, offset, project_id))
 
-    async def list_training_runs_async(self, limit: int = 20, offset: int = 0) -> t.TrainingRunsResponse:
-        return await self.list_training_runs(limit, offset)
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0,
+                                       project_id: str | None = None) -> t.TrainingRunsResponse:
+        return await self.list_training_runs(limit, offset, project_id)
 
     def list_training_run_ids(self) -> APIFuture[list[str]]:
         """Every run id of this key, oldest first."""

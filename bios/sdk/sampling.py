@@ -38,6 +38,8 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         prompt_alt_tokens_k: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: t.TensorData | None = None,
     ) -> APIFuture[t.SampleResponse]:
         """`num_samples` continuations of `prompt`.
 
@@ -49,14 +51,19 @@ class SamplingClient:
 
         `topk_prompt_logprobs=k` adds the k most likely tokens at every prompt position (`TopkLogprobs`, first
         row Tinker's sentinels); `prompt_alt_tokens_k=k` adds k draws at the request's temperature at every
-        prompt position after the first (`PromptAltTokens`).
+        prompt position after the first (`PromptAltTokens`). `topk_sample_logprobs=k` gives every sequence
+        `topk_logprobs`: the k most likely tokens at each sampled position under the model's own log-softmax
+        (before penalties, temperature and filters). `target_prompt_logprobs` (int64 `[len(prompt) - 1, K]`, -1 for
+        none) asks the logprobs of chosen ids at each prompt position after the first (the response's
+        `target_prompt_logprobs`, 0.0 where -1).
         """
         params = sampling_params if sampling_params is not None else t.SamplingParams()
         with self._lock:
             seq_id = next(self._seq)
             request_id = ids.request_id(self.sampling_session_id, seq_id)
             op = m.Sample(self.sampling_session_id, seq_id, prompt, num_samples, params, include_prompt_logprobs,
-                          topk_prompt_logprobs=topk_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k)
+                          topk_prompt_logprobs=topk_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
+                          topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 
@@ -68,10 +75,13 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         prompt_alt_tokens_k: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: t.TensorData | None = None,
     ) -> t.SampleResponse:
         """Like `sample`, awaited once (as in the Tinker SDK): returns the response."""
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                 topk_prompt_logprobs, prompt_alt_tokens_k)
+                                 topk_prompt_logprobs, prompt_alt_tokens_k, topk_sample_logprobs,
+                                 target_prompt_logprobs)
 
     def compute_logprobs(self, prompt: t.ModelInput) -> APIFuture[list[float | None]]:
         """log p(prompt[i] | prompt[:i]) for every position (None for the first)."""

@@ -13,6 +13,7 @@ from types import TracebackType
 from bios import ids
 from bios import messages as m
 from bios import types as t
+from bios.account import check_user_metadata
 
 from .connection import Connection
 from .futures import APIFuture
@@ -79,13 +80,15 @@ class ServiceClient:
         *,
         train_vision: bool = False,
         optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
+        user_metadata: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
         """Create a LoRA run on `base_model`; blocks until its adapter exists on the workers. `optimizer` is fixed
         for the run's lifetime (AdamW by default; `DimuonOptimizerConfig()`: its steps take `DimuonParams`).
-        `train_vision` also trains a vision-language model's image encoder (its linear layers)."""
+        `train_vision` also trains a vision-language model's image encoder (its linear layers). `user_metadata`
+        (string values) is kept with the run: `RestClient.get_training_run` returns it."""
         future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn, train_vision),
-                              optimizer=_optimizer_name(optimizer))
+                              optimizer=_optimizer_name(optimizer), user_metadata=user_metadata)
         return self._training_client(future.result(timeout))
 
     async def create_lora_training_client_async(
@@ -99,32 +102,44 @@ class ServiceClient:
         *,
         train_vision: bool = False,
         optimizer: t.AdamOptimizerConfig | t.DimuonOptimizerConfig | None = None,
+        user_metadata: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> TrainingClient:
         future = self._create(base_model, t.LoraConfig(rank, seed, train_unembed, train_mlp, train_attn, train_vision),
-                              optimizer=_optimizer_name(optimizer))
+                              optimizer=_optimizer_name(optimizer), user_metadata=user_metadata)
         return self._training_client(await future.result_async(timeout))
 
-    def create_training_client_from_state(self, path: str) -> TrainingClient:
+    def create_training_client_from_state(self, path: str, *,
+                                          user_metadata: dict[str, str] | None = None) -> TrainingClient:
         """A new run starting from a checkpoint's adapter weights, with a fresh optimizer."""
-        return self._training_client(self._create("", t.LoraConfig(), from_path=path).result())
+        return self._training_client(self._create("", t.LoraConfig(), from_path=path,
+                                                  user_metadata=user_metadata).result())
 
-    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+    def create_training_client_from_state_with_optimizer(self, path: str, *,
+                                                         user_metadata: dict[str, str] | None = None
+                                                         ) -> TrainingClient:
         """A new run that continues a `save_state` checkpoint exactly: weights, optimizer (its kind and state)."""
-        return self._training_client(self._create("", t.LoraConfig(), from_path=path, with_optimizer=True).result())
+        return self._training_client(self._create("", t.LoraConfig(), from_path=path, with_optimizer=True,
+                                                  user_metadata=user_metadata).result())
 
-    async def create_training_client_from_state_async(self, path: str) -> TrainingClient:
-        return self._training_client(await self._create("", t.LoraConfig(), from_path=path))
+    async def create_training_client_from_state_async(self, path: str, *,
+                                                      user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        return self._training_client(await self._create("", t.LoraConfig(), from_path=path,
+                                                        user_metadata=user_metadata))
 
-    async def create_training_client_from_state_with_optimizer_async(self, path: str) -> TrainingClient:
-        return self._training_client(await self._create("", t.LoraConfig(), from_path=path, with_optimizer=True))
+    async def create_training_client_from_state_with_optimizer_async(
+            self, path: str, *, user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        return self._training_client(await self._create("", t.LoraConfig(), from_path=path, with_optimizer=True,
+                                                        user_metadata=user_metadata))
 
     def _create(self, base_model: str, lora: t.LoraConfig, *, from_path: str | None = None,
-                with_optimizer: bool = False, optimizer: t.OptimizerName = "adamw") -> APIFuture[m.ModelCreated]:
+                with_optimizer: bool = False, optimizer: t.OptimizerName = "adamw",
+                user_metadata: dict[str, str] | None = None) -> APIFuture[m.ModelCreated]:
+        metadata = check_user_metadata(user_metadata)
         with self._model_seq_lock:
             model_seq_id = next(self._model_seq)
             op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer,
-                               optimizer=optimizer)
+                               optimizer=optimizer, user_metadata=metadata)
             request_id = ids.request_id(ids.run_id(self.session_id, model_seq_id), 0)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from bios import ids
 from bios import messages as m
 from bios import types as t
+from bios.account import check_user_metadata
 
 from .futures import APIFuture
 
@@ -176,19 +177,30 @@ class TrainingClient:
 
     # ------------------------------------------------------------------------------------ checkpoints
 
-    def save_state(self, name: str | None = None, *, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
-        """Adapter and optimizer state at `bios://<run>/weights/<name>`; resumable exactly."""
-        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "weights", overwrite))
+    def save_state(self, name: str | None = None, *, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
+        """Adapter and optimizer state at `bios://<run>/weights/<name>`; resumable exactly. `user_metadata` (string
+        values) is kept with the checkpoint and listed with it."""
+        metadata = check_user_metadata(user_metadata)
+        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "weights", overwrite,
+                                                       user_metadata=metadata))
 
-    async def save_state_async(self, name: str | None = None, *, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
-        return await self._accepted(self.save_state(name, overwrite=overwrite))
+    async def save_state_async(self, name: str | None = None, *, overwrite: bool = False,
+                               user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
+        return await self._accepted(self.save_state(name, overwrite=overwrite, user_metadata=user_metadata))
 
-    def save_weights_for_sampler(self, name: str | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
-        """The adapter alone at `bios://<run>/sampler_weights/<name>`, for SamplingClients and export."""
-        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "sampler_weights"))
+    def save_weights_for_sampler(self, name: str | None = None, *, user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        """The adapter alone at `bios://<run>/sampler_weights/<name>`, for SamplingClients and export.
+        `user_metadata` (string values) is kept with the checkpoint and listed with it."""
+        metadata = check_user_metadata(user_metadata)
+        return self._request(lambda seq: m.SaveWeights(self.model_id, seq, name, "sampler_weights",
+                                                       user_metadata=metadata))
 
-    async def save_weights_for_sampler_async(self, name: str | None = None) -> APIFuture[t.SaveWeightsForSamplerResponse]:
-        return await self._accepted(self.save_weights_for_sampler(name))
+    async def save_weights_for_sampler_async(self, name: str | None = None, *,
+                                             user_metadata: dict[str, str] | None = None
+                                             ) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        return await self._accepted(self.save_weights_for_sampler(name, user_metadata=user_metadata))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Snapshot the current adapter and return a SamplingClient on it."""

@@ -59,7 +59,8 @@ def add_up_parsers(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
                     help="each worker's memory budget instead of its device's (e.g. 2GiB); a model that does not "
                          "fit is split over several workers")
-    up.add_argument("--worker-threads", type=int, help="torch CPU threads per worker (default: torch's choice)")
+    up.add_argument("--worker-threads", type=int, help="torch CPU threads per worker (default: the usable cores "
+                    "divided evenly among the workers, at least 1)")
     up.add_argument("--model-map", metavar="FILE",
                     help="JSON map of model names (e.g. Qwen/Qwen3-8B-Base) to local model directories")
     up.add_argument("--log-level", default=os.environ.get("BIOS_LOG_LEVEL", "INFO"),

@@ -1,4 +1,4 @@
-"""`bios keys init|create|list|revoke|worker-token`: manage a cluster's keys in the coordinator's state dir.
+"""`bios keys init|create|list|revoke|worker-token|admin-key`: manage a cluster's keys in the coordinator's state dir.
 
 Run these on the coordinator's host, against its `--state-dir`. Keys created or revoked while the
 coordinator runs take effect at once (the store is shared SQLite).
@@ -18,7 +18,7 @@ from .keys import TINKER_PREFIX, KeyStore
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("keys", help="API keys and the worker token of a cluster")
+    parser = subparsers.add_parser("keys", help="API keys, the worker token and the admin key of a cluster")
     commands = parser.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -35,8 +35,13 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     revoke = command("revoke", "revoke a key: refused from now on, open sessions at their next heartbeat")
     revoke.add_argument("name")
     revoke.set_defaults(func=_revoke)
-    command("worker-token", "print the token workers join with (bios-worker --token)").set_defaults(
-        func=_worker_token)
+    command("worker-token", "print the token workers join with (bios-worker --token); for workers only, "
+            "never an admin credential").set_defaults(func=_worker_token)
+    admin = command("admin-key", "print the admin key (created on first use): the web console's and the HTTP "
+                    "API's credential that reads every key's runs, usage and audit log")
+    admin.add_argument("--rotate", action="store_true",
+                       help="replace it with a new one; the old one is refused from then on")
+    admin.set_defaults(func=_admin_key)
     return parser
 
 
@@ -52,7 +57,8 @@ def _init(args: argparse.Namespace) -> int:
     store.close()
     if created:
         print(f"created cluster keys in {store.path}; the coordinator now requires API keys and a worker token "
-              f"(restart it if it runs). Next: bios keys create NAME --state-dir {args.state_dir}", file=sys.stderr)
+              f"(restart it if it runs). Next: bios keys create NAME --state-dir {args.state_dir} for each user; "
+              f"bios keys admin-key for the console's and the HTTP API's admin", file=sys.stderr)
     else:
         print(f"{store.path} already holds this cluster's keys; nothing changed", file=sys.stderr)
     return 0
@@ -100,6 +106,19 @@ def _worker_token(args: argparse.Namespace) -> int:
     store = _open(args.state_dir)
     print(store.cluster.worker_token())
     store.close()
+    return 0
+
+
+def _admin_key(args: argparse.Namespace) -> int:
+    store = _open(args.state_dir)
+    try:
+        key = store.admin_key(rotate=args.rotate)
+    finally:
+        store.close()
+    print(key)
+    print(f"the admin key{' (new: the previous one is refused from now on)' if args.rotate else ''}: paste it "
+          f"into the web console, or send {TINKER_PREFIX}<key> as the Tinker SDK's api_key to read every key's "
+          "records. Keep it off worker hosts.", file=sys.stderr)
     return 0
 
 

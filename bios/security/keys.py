@@ -1,4 +1,9 @@
-"""API keys, the worker token and the cluster's CurveZMQ key pair: what `bios keys` writes and the coordinator checks.
+"""API keys, the worker token, the admin key and the cluster's CurveZMQ key pair: what `bios keys` writes and the
+coordinator checks.
+
+The worker token admits workers only; every worker host holds it. The admin key (`bios keys admin-key`) is the
+HTTP gateway's and the web console's admin credential: it reads every key's runs, usage and audit log. It is
+created on first use, so a state dir initialised before it existed gets one without `init`.
 
 One SQLite file per state dir (`security.sqlite3`, mode 0600) holds the cluster secrets and, for each API key,
 a salted SHA-256 of its secret, never the secret itself. A key string carries everything a client needs: the
@@ -29,11 +34,13 @@ from bios.transport.sockets import Security
 KEYS_FILE = "security.sqlite3"
 API_KEY_PREFIX = "bios_"
 WORKER_TOKEN_PREFIX = "biosworker_"
+ADMIN_KEY_PREFIX = "biosadmin_"
 TINKER_PREFIX = "tml-"  # the Tinker SDK sends only keys that start with this, so `tml-bios_...` is accepted too
 
 _KEY_ID_BYTES = 8
 _SECRET_BYTES = 24
 _WORKER_SECRET_BYTES = 32
+_ADMIN_SECRET_BYTES = 32
 _PUBLIC_BYTES = 32
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
@@ -52,6 +59,11 @@ CREATE TABLE IF NOT EXISTS api_keys (
     digest BLOB NOT NULL,
     created REAL NOT NULL,
     revoked REAL
+);
+CREATE TABLE IF NOT EXISTS admin_key (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    secret BLOB NOT NULL,
+    created REAL NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS active_key_names ON api_keys (name) WHERE revoked IS NULL;
 """
@@ -139,6 +151,34 @@ class WorkerToken:
 
     def worker_security(self) -> Security:
         return Security(self.curve_public_key(), self.curve_secret_key(), self.server_public_key)
+
+
+ADMIN_KEY_HINT = "print it with `bios keys admin-key --state-dir DIR` on the coordinator's host"
+WORKER_TOKEN_NOT_ADMIN = ("the worker token admits workers only, not admins: the console's and the HTTP API's admin "
+                          f"credential is the admin key; {ADMIN_KEY_HINT}")
+
+
+@dataclass(frozen=True)
+class AdminKey:
+    """The cluster's admin credential for the HTTP gateway and the console (every key's records)."""
+
+    secret: bytes
+
+    def __str__(self) -> str:
+        return ADMIN_KEY_PREFIX + _b64(self.secret)
+
+    @classmethod
+    def parse(cls, text: str) -> AdminKey:
+        body = text.strip().removeprefix(TINKER_PREFIX) if isinstance(text, str) else ""
+        raw = b""
+        if body.startswith(ADMIN_KEY_PREFIX):
+            try:
+                raw = _unb64(body[len(ADMIN_KEY_PREFIX):])
+            except (binascii.Error, ValueError):
+                raw = b""
+        if len(raw) != _ADMIN_SECRET_BYTES:
+            raise AuthenticationError(f"malformed admin key: expected the biosadmin_... string; {ADMIN_KEY_HINT}")
+        return cls(raw)
 
 
 @dataclass(frozen=True)
@@ -247,8 +287,9 @@ class KeyStore:
         """The owner (key id) of a valid key; AuthenticationError for a missing, malformed, wrong or revoked one."""
         if not api_key:
             raise AuthenticationError(
-                "this Bios cluster requires an API key: pass ServiceClient(api_key=...) or set BIOS_API_KEY "
-                "(the cluster's admin creates one with `bios keys create NAME`)"
+                "this Bios cluster requires an API key: set BIOS_API_KEY, or pass --api-key KEY to the bios "
+                "command (api_key=... to ServiceClient; the key field in the web console); the cluster's admin "
+                "creates one with `bios keys create NAME`"
             )
         key = ApiKey.parse(api_key)
         if not hmac.compare_digest(key.server_public_key, self.cluster.server_public_key):
@@ -264,6 +305,38 @@ class KeyStore:
     def is_active(self, key_id: str) -> bool:
         row = self.db.execute("SELECT revoked FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
         return row is not None and row[0] is None
+
+    # ------------------------------------------------------------------------------------ the admin key
+
+    def admin_key(self, *, rotate: bool = False) -> AdminKey:
+        """The admin key, created on first use; `rotate` replaces it (the old one is refused from then on)."""
+        secret = secrets.token_bytes(_ADMIN_SECRET_BYTES)
+        verb = "INSERT OR REPLACE" if rotate else "INSERT OR IGNORE"
+        self.db.execute(f"{verb} INTO admin_key VALUES (1, ?, ?)", (secret, time.time()))
+        return AdminKey(bytes(self.db.execute("SELECT secret FROM admin_key").fetchone()[0]))
+
+    def admin_fingerprint(self) -> str | None:
+        """A digest naming the current admin key (what the gateway's admin JWTs carry); None before it exists."""
+        row = self.db.execute("SELECT secret FROM admin_key").fetchone()
+        return None if row is None else hashlib.sha256(b"bios admin key\0" + bytes(row[0])).hexdigest()[:32]
+
+    def is_admin(self, credential: str | None) -> bool:
+        """True for this cluster's admin key (`biosadmin_...`, or `tml-biosadmin_...`); False for anything else
+        that is no admin credential (an API key: authenticate it). AuthenticationError for a wrong admin key, and
+        for the worker token, which admits workers only."""
+        body = credential.strip().removeprefix(TINKER_PREFIX) if isinstance(credential, str) else ""
+        if body.startswith(WORKER_TOKEN_PREFIX):
+            raise AuthenticationError(WORKER_TOKEN_NOT_ADMIN)
+        if not body.startswith(ADMIN_KEY_PREFIX):
+            return False
+        presented = AdminKey.parse(body)
+        row = self.db.execute("SELECT secret FROM admin_key").fetchone()
+        if row is None:
+            raise AuthenticationError("this cluster has no admin key yet: create it with `bios keys admin-key "
+                                      "--state-dir DIR` on the coordinator's host")
+        if not hmac.compare_digest(presented.secret, bytes(row[0])):
+            raise AuthenticationError(f"wrong admin key (it may have been rotated): {ADMIN_KEY_HINT}")
+        return True
 
     def check_worker_token(self, token: str | None) -> None:
         """AuthenticationError unless `token` is this cluster's worker token."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from .interfaces import socket_interfaces, unreachable
+from .interfaces import socket_interfaces, store_listener, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,9 @@ class CollectiveGroup:
         if chosen:
             log.info("collectives use interface %s, which holds %s (%s)", next(iter(chosen.values())), host,
                      ", ".join(chosen))
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        listener = store_listener(host)  # the advertised address only: torch's own socket would bind every one
+        self.store = dist.TCPStore(host, listener[1] if listener else 0, is_master=True, wait_for_workers=False,
+                                   use_libuv=True, master_listen_fd=listener[0] if listener else None)
         self.store_port = int(self.store.port)
         self.generation = 0
         self.rank = 0

@@ -107,8 +107,9 @@ class Trainer(Actor):
 
         reported: list[m.ItemDone] = []
 
-        def report(done: m.ItemDone) -> None:
-            reported.append(done)
+        def report(done: m.ItemDone | m.SampleProgress) -> None:
+            if isinstance(done, m.ItemDone):  # (progress is not a result: nothing to hold across a restart)
+                reported.append(done)
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.send(done)))
 
         outcome = CycleOutcome(True, "the cycle crashed on this worker", {})

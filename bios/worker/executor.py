@@ -50,7 +50,7 @@ from .tensor_parallel import shard_info, TensorParallelError
 
 log = logging.getLogger(__name__)
 
-Report = Callable[[m.ItemDone], None]
+Report = Callable[[m.ItemDone | m.SampleProgress], None]
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,9 @@ class CycleExecutor:
                 base = self.pool.base(op.base_model)
                 spec.check_sample(op.prompt, op.num_samples, op.sampling_params, base.info,
                                   topk_prompt_logprobs=op.topk_prompt_logprobs,
-                                  prompt_alt_tokens_k=op.prompt_alt_tokens_k)
+                                  prompt_alt_tokens_k=op.prompt_alt_tokens_k,
+                                  topk_sample_logprobs=op.topk_sample_logprobs,
+                                  target_prompt_logprobs=op.target_prompt_logprobs)
                 reader = image_reader(base.info, base.image_processor)
                 expanded = reader.expand(op.prompt, "prompt") if reader is not None else None
             except Exception as exc:
@@ -343,7 +345,8 @@ class CycleExecutor:
             prompt = op.prompt.to_ints() if expanded is None else expanded.tokens.tolist()
             sample_item = SampleItem(adapter, prompt, op.num_samples, op.sampling_params, op.prompt_logprobs,
                                      None if expanded is None else expanded.images, op.topk_prompt_logprobs,
-                                     op.prompt_alt_tokens_k)
+                                     op.prompt_alt_tokens_k, op.topk_sample_logprobs, op.target_prompt_logprobs,
+                                     _progress(cycle_id, item.request_id, report) if op.stream else None)
             by_base.setdefault(op.base_model, []).append((item, sample_item))
         for base_model, group in by_base.items():
             base = self.pool.base(base_model)
@@ -391,6 +394,11 @@ def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any]) -> m.ItemDo
     except Exception as exc:
         return _failed(cycle_id, item, exc)
     return None if result is None else m.ItemDone(cycle_id, item.request_id, result=result)
+
+
+def _progress(cycle_id: int, request_id: str, report: Report) -> Callable[[list[int], list[t.SampledSequence]], None]:
+    """A streaming sample's progress callback: its tokens so far go out as `SampleProgress`."""
+    return lambda offsets, sequences: report(m.SampleProgress(cycle_id, request_id, offsets, sequences))
 
 
 def _failed(cycle_id: int, item: m.WorkItem, exc: Exception) -> m.ItemDone:

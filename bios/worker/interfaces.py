@@ -8,11 +8,15 @@ at the interface holding the address it advertises to its peers (the one it reac
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import re
 import socket
 from collections.abc import Mapping
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:152] ": where in gloo's C++ an error arose
@@ -28,6 +32,27 @@ def advertised_host(coordinator: str) -> str:
             return probe.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def store_listener(host: str) -> tuple[int, int] | None:
+    """A listening TCP socket on `host` only (a free port), for the worker's rendezvous `TCPStore`: (its file
+    descriptor, which the store takes over and closes, its port). torch's store binds every interface when it
+    opens its own socket; a worker on a loopback-only cluster must not be reachable from the network. None when
+    `host` is no address of this machine (the store then binds every interface, as torch does, and says so)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        log.warning("the rendezvous store cannot bind %s (%s), so it listens on every interface", host, exc)
+        return None
+    port = listener.getsockname()[1]
+    return listener.detach(), port
 
 
 def interface_of(address: str) -> str | None:

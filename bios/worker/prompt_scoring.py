@@ -9,6 +9,8 @@
   the distribution drawn from (tempered), Bios's rule for every sampled token; at temperature 1 that is the
   model's own logprob. Draws come from a generator seeded by the request's seed, so they depend on the seed
   and the prompt only.
+- `target_prompt_logprobs` (Tinker's): chosen ids `[len(prompt) - 1, K]`, cell [i, j] scored at position i + 1
+  with the model's logprob (what `topk_prompt_logprobs` reports for the same id); 0.0 where the id is -1.
 
 The output head runs `_CHUNK` positions at a time, so a long prompt never materialises [prompt, vocab] logits.
 """
@@ -39,10 +41,11 @@ class PromptQuestions:
     alt_tokens_k: int
     params: SamplingParams  # temperature and seed of the alternative draws
     seed: int  # the request's seed (drawn at random when it gave none)
+    targets: TensorData | None = None  # int64 [len(prompt) - 1, K]: ids whose logprobs to return (-1: none)
 
     @property
     def any(self) -> bool:
-        return self.logprobs or self.topk > 0 or self.alt_tokens_k > 0
+        return self.logprobs or self.topk > 0 or self.alt_tokens_k > 0 or self.targets is not None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class PromptScores:
     logprobs: list[float | None] | None = None
     topk: TopkLogprobs | None = None
     alt_tokens: PromptAltTokens | None = None
+    targets: TensorData | None = None
 
 
 def alt_tokens_seed(seed: int) -> int:
@@ -70,6 +74,10 @@ def score_prompt(model: nn.Module, hidden: Tensor, prompt: list[int], adapter: A
     topk_logp = torch.full((positions + 1, k), TOPK_MASK_LOGPROB, dtype=torch.float32)
     alt_ids = torch.zeros(positions, alt_k, dtype=torch.int64)
     alt_logp = torch.zeros(positions, alt_k, dtype=torch.float32)
+    target_ids = None
+    if questions.targets is not None:
+        target_ids = torch.from_numpy(questions.targets.to_numpy().astype("int64")).reshape(positions, questions.targets.shape[1])
+        target_logp = torch.zeros(target_ids.shape, dtype=torch.float32)
     uniforms = None
     if alt_k and questions.params.temperature > 0:
         generator = torch.Generator().manual_seed(alt_tokens_seed(questions.seed))
@@ -86,6 +94,10 @@ def score_prompt(model: nn.Module, hidden: Tensor, prompt: list[int], adapter: A
             values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
             topk_ids[start + 1 : end + 1, : ids.shape[1]] = ids.cpu()
             topk_logp[start + 1 : end + 1, : values.shape[1]] = values.cpu()
+        if target_ids is not None:
+            wanted = target_ids[start:end].to(logp.device)
+            values = logp.gather(1, wanted.clamp(min=0)).masked_fill(wanted < 0, 0.0)
+            target_logp[start:end] = values.cpu()
         if alt_k:
             ids, values = _alt_draws(logits, logp, questions.params.temperature,
                                      None if uniforms is None else uniforms[start:end].to(logits.device), alt_k)
@@ -96,6 +108,7 @@ def score_prompt(model: nn.Module, hidden: Tensor, prompt: list[int], adapter: A
         if k else None,
         alt_tokens=PromptAltTokens(TensorData(alt_ids.numpy(), "int64"), TensorData(alt_logp.numpy(), "float32"))
         if alt_k else None,
+        targets=TensorData(target_logp.numpy(), "float32") if target_ids is not None else None,
     )
 
 

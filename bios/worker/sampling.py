@@ -15,7 +15,9 @@ enough steps (`_ADAPTER_COPIES_MIN_STEPS`).
 
 How a token is chosen and what its logprob means (penalties, temperature, min_p, top-k, top-p) is
 `bios.worker.logits_processing`; what a request asks about its prompt (logprobs, top-k, alternative draws) is
-`bios.worker.prompt_scoring`. Both work row by row, so batched and single sampling agree.
+`bios.worker.prompt_scoring`. Both work row by row, so batched and single sampling agree. `topk_sample_logprobs=k`
+reports the k most likely tokens at every sampled position under the model's own log-softmax of that step's
+logits (before penalties, temperature and filters: what a `forward` over prompt + output gives).
 
 Randomness: each row draws one uniform per step from its own `torch.Generator`, seeded from (seed, sample
 index) and drawn up front, and picks a token by inverse CDF. A row's tokens therefore depend on its seed,
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +41,14 @@ from transformers import DynamicCache
 from bios import spec
 from bios.exceptions import BadRequestError
 from bios.kernels.prepacked import PrepackedWeights
-from bios.types import SampledSequence, SampleResponse, SamplingParams
+from bios.types import (
+    TOPK_MASK_LOGPROB,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+    TopkLogprobs,
+)
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
 from bios.worker.decode_step import decode_step
@@ -60,6 +71,9 @@ _COMPACT_WHEN_ALIVE = 0.75
 # scale·B·A` in fp32, `[W; A]` in bf16) if it runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7
 # s) costs 20-35 steps of what the adapter's own products cost (~20 ms a step for 16 rows).
 _ADAPTER_COPIES_MIN_STEPS = 32
+# A streaming request's progress goes out once this long has passed since the last (or this many tokens are new).
+_PROGRESS_EVERY_S = 0.05
+_PROGRESS_EVERY_TOKENS = 16
 
 
 @dataclass
@@ -74,6 +88,11 @@ class SampleItem:
     images: RowImages | None = None  # the prompt's images, in order
     topk_prompt_logprobs: int = 0
     prompt_alt_tokens_k: int = 0
+    topk_sample_logprobs: int = 0  # > 0: the k most likely tokens at every sampled position (model logprobs)
+    target_prompt_logprobs: TensorData | None = None  # int64 [len(prompt) - 1, K] prompt ids to score (-1: none)
+    # streaming: called now and then during the decode with, per sample, the position its new tokens start at and
+    # a `SampledSequence` of them (with logprobs, and top-k when asked); the return value stays the whole result
+    progress: Callable[[list[int], list[SampledSequence]], None] | None = None
 
 
 # ------------------------------------------------------------------------------------------ rows
@@ -169,7 +188,9 @@ def generate(
         try:
             spec.check_sample(item.prompt, item.num_samples, item.params, limits,
                               topk_prompt_logprobs=item.topk_prompt_logprobs,
-                              prompt_alt_tokens_k=item.prompt_alt_tokens_k)
+                              prompt_alt_tokens_k=item.prompt_alt_tokens_k,
+                              topk_sample_logprobs=item.topk_sample_logprobs,
+                              target_prompt_logprobs=item.target_prompt_logprobs)
             if spec.stop_strings(item.params.stop) and tokenizer is None:
                 raise BadRequestError("stop strings need a tokenizer to decode text", field="sampling_params.stop")
         except BadRequestError as error:
@@ -229,12 +250,14 @@ def _generate(
     rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
+    topk = max(item.topk_sample_logprobs for item in ordered)
+    progress = _Progress.of(ordered)
     with prepacked.using(adapter=_adapter_copies(rows), rows=len(rows.adapters)):
-        tokens, logprobs, finished_at, stopped = _decode(
-            model, cache, expand, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops
+        tokens, logprobs, finished_at, stopped, top = _decode(
+            model, cache, expand, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops, topk, progress
         )
     return _responses(
-        items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}
+        items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}, top
     )
 
 
@@ -278,7 +301,7 @@ def _prefill(
     scores = {}
     for i, (item, seed) in enumerate(zip(requests, seeds)):
         questions = PromptQuestions(item.prompt_logprobs, item.topk_prompt_logprobs, item.prompt_alt_tokens_k,
-                                    item.params, seed)
+                                    item.params, seed, item.target_prompt_logprobs)
         if questions.any:
             scores[i] = score_prompt(model, hidden[rows[i], padded - lengths[rows[i]] :], item.prompt, item.adapter,
                                      questions)
@@ -294,12 +317,16 @@ def _decode(
     padded: int,
     tokenizer: PreTrainedTokenizerBase | None,
     string_stops: dict[int, list[str]],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    topk: int = 0,
+    progress: _Progress | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """The token loop: choose, record, check stops, drop finished rows now and then, run one step. `cache` holds
     the prefilled prompts, one row each; row i continues prompt `expand[i]`.
 
     Returns per row: tokens and logprobs [rows, steps] (valid up to the row's length), its length, and
-    whether it stopped on a stop condition (else it reached max_tokens).
+    whether it stopped on a stop condition (else it reached max_tokens); with `topk` > 0 also the `topk` most
+    likely tokens at every step and their logprobs under the model's own log-softmax of the step's logits
+    (before penalties, temperature and filters), [rows, steps, topk] each.
     """
     lm_head = model.get_output_embeddings()
     total_rows, steps = rows.choice.uniforms.shape
@@ -308,6 +335,11 @@ def _decode(
     out_logprobs = torch.zeros(total_rows, steps, dtype=torch.float32, device=device)
     finished_at = torch.zeros(total_rows, dtype=torch.int64, device=device)
     stopped = torch.zeros(total_rows, dtype=torch.bool, device=device)
+    top = None
+    if topk:
+        k = min(topk, logits.shape[-1])
+        top = (torch.zeros(total_rows, steps, topk, dtype=torch.int64, device=device),
+               torch.full((total_rows, steps, topk), TOPK_MASK_LOGPROB, dtype=torch.float32, device=device))
     generated: dict[int, list[int]] = {row: [] for row in string_stops}
     alive = torch.ones(total_rows, dtype=torch.bool, device=device)
     live = total_rows
@@ -316,6 +348,10 @@ def _decode(
     with ExitStack() as adapters_scope:
         adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
         for step in range(steps):
+            if top is not None:  # before `choose`, which leaves `logits` as they are
+                values, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+                top[0][rows.row, step, :k] = ids
+                top[1][rows.row, step, :k] = values
             tokens, token_logp = rows.choice.choose(logits, step)
             rows.choice.record(tokens)
             out_tokens[rows.row, step] = tokens
@@ -330,6 +366,8 @@ def _decode(
             if live < previously_live:
                 finished_at[rows.row[finished]] = step + 1
                 stopped[rows.row[new_stop]] = True
+            if progress is not None:
+                progress.report(step, out_tokens, out_logprobs, finished_at, top, force=live == 0)
             if live == 0:
                 break
             if live <= _COMPACT_WHEN_ALIVE * alive.numel():
@@ -341,7 +379,55 @@ def _decode(
                 adapters_scope.enter_context(_sampling_adapters(model, rows.adapters))
             mask = rows.attention_mask[:, : padded + step + 1] if pads else None
             logits = lm_head(forward(tokens, rows.position + step, mask)).float()
-    return out_tokens, out_logprobs, finished_at, stopped
+    return out_tokens, out_logprobs, finished_at, stopped, top
+
+
+class _Progress:
+    """The streaming requests of a decode (their output rows and callbacks) and what each row has been sent."""
+
+    def __init__(self, streams: list[tuple[int, int, int, Callable]]) -> None:
+        self.streams = streams  # (first row, rows, top-k, callback)
+        self.sent: dict[int, int] = {row: 0 for first, count, _, _ in streams for row in range(first, first + count)}
+        self.last, self.last_step = time.monotonic(), 0
+
+    @staticmethod
+    def of(ordered: list[SampleItem]) -> _Progress | None:
+        streams, row = [], 0
+        for item in ordered:
+            if item.progress is not None:
+                streams.append((row, item.num_samples, item.topk_sample_logprobs, item.progress))
+            row += item.num_samples
+        return _Progress(streams) if streams else None
+
+    def report(self, step: int, out_tokens: Tensor, out_logprobs: Tensor, finished_at: Tensor,
+               top: tuple[Tensor, Tensor] | None, *, force: bool = False) -> None:
+        """After step `step`: each streaming request's new tokens, if enough time passed or enough are new."""
+        now = time.monotonic()
+        if not force and now - self.last < _PROGRESS_EVERY_S and step + 1 - self.last_step < _PROGRESS_EVERY_TOKENS:
+            return
+        self.last, self.last_step = now, step + 1
+        rows = sorted(self.sent)
+        ends = torch.where(finished_at[rows] > 0, finished_at[rows], step + 1).tolist()
+        start = min(self.sent[r] for r in rows)
+        tokens = out_tokens[rows, start : step + 1].tolist()
+        logprobs = out_logprobs[rows, start : step + 1].tolist()
+        ids = values = None
+        if top is not None:
+            ids, values = top[0][rows, start : step + 1].cpu().numpy(), top[1][rows, start : step + 1].cpu().numpy()
+        new = {}
+        for i, (row, end) in enumerate(zip(rows, ends)):
+            a, b = self.sent[row] - start, end - start
+            new[row] = (self.sent[row], tokens[i][a:b], logprobs[i][a:b], i, a, b)
+            self.sent[row] = max(self.sent[row], end)
+        for first, count, k, callback in self.streams:
+            parts = [new[row] for row in range(first, first + count)]
+            if not any(part[1] for part in parts):
+                continue
+            callback([part[0] for part in parts], [
+                SampledSequence("length", toks, lps, topk_logprobs=TopkLogprobs(
+                    TensorData(ids[i, a:b, :k].copy(), "int64"), TensorData(values[i, a:b, :k].copy(), "float32"))
+                    if k and ids is not None else None)
+                for _, toks, lps, i, a, b in parts])
 
 
 def _has_pads(rows: _Rows) -> bool:
@@ -412,14 +498,17 @@ def _responses(
     finished_at: Tensor,
     stopped: Tensor,
     prompt_scores: dict[int, PromptScores],
+    top: tuple[Tensor, Tensor] | None = None,
 ) -> list[SampleResponse]:
     """Rows back into one response per item, in the caller's item order."""
     tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
+    top_ids, top_logp = (top[0].cpu().numpy(), top[1].cpu().numpy()) if top is not None else (None, None)
     lengths_list, stopped_list = finished_at.tolist(), stopped.tolist()
     sequences: dict[int, list[SampledSequence]] = {}
     row = 0
     for index in order:
         sequences[index] = []
+        k = items[index].topk_sample_logprobs
         for _ in range(items[index].num_samples):
             n = lengths_list[row]
             sequences[index].append(
@@ -427,6 +516,9 @@ def _responses(
                     stop_reason="stop" if stopped_list[row] else "length",
                     tokens=tokens[row][:n],
                     logprobs=logprobs[row][:n],
+                    topk_logprobs=TopkLogprobs(TensorData(top_ids[row, :n, :k].copy(), "int64"),
+                                               TensorData(top_logp[row, :n, :k].copy(), "float32"))
+                    if k and top_ids is not None else None,
                 )
             )
             row += 1
@@ -437,6 +529,7 @@ def _responses(
             prompt_logprobs=prompt_scores.get(i, none).logprobs,
             topk_prompt_logprobs=prompt_scores.get(i, none).topk,
             prompt_alt_tokens=prompt_scores.get(i, none).alt_tokens,
+            target_prompt_logprobs=prompt_scores.get(i, none).targets,
         )
         for i in range(len(items))
     ]
