@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from bios.kernels.lora import grad_sink
+
 ExpertFactors = tuple[torch.Tensor, torch.Tensor, float]  # A [E, r, in], B [E, out, r], scale
 
 
@@ -131,6 +133,8 @@ class _ExpertLinear(torch.autograd.Function):
     def forward(ctx, x, rows, activation, weight, bias, counts, lora, scales, transposed, *factors):
         ctx.activation, ctx.counts, ctx.lora, ctx.scales, ctx.transposed = activation, counts, lora, scales, transposed
         ctx.factor_dtypes = [f.dtype for f in factors]
+        # autograd's edges: the tensor inputs x, rows?, weight, bias? (grad_sink)
+        ctx.first_factor_edge = 2 + (rows is not None) + (bias is not None)
         lora_as = [f.to(x.dtype) for f in factors[0::2]]
         lora_bs = [f.to(x.dtype) for f in factors[1::2]]
         num_rows = x.shape[0] if rows is None else rows.shape[0]
@@ -159,8 +163,11 @@ class _ExpertLinear(torch.autograd.Function):
         grad_x = None
         if need_x:  # every row of x is some group's unless `rows` picks them (and may pick one twice)
             grad_x = torch.empty_like(x) if rows is None else torch.zeros_like(x)
-        grad_as = [torch.zeros_like(a) for a in lora_as]
-        grad_bs = [torch.zeros_like(b) for b in lora_bs]
+        # each factor's gradient straight into its preset .grad where autograd would only add it there, else
+        # into zeros that are returned
+        sinks = [grad_sink(ctx, ctx.first_factor_edge + i, x.dtype) for i in range(2 * n)]
+        grad_as = [torch.zeros_like(a) if sink is None else sink for a, sink in zip(lora_as, sinks[0::2])]
+        grad_bs = [torch.zeros_like(b) if sink is None else sink for b, sink in zip(lora_bs, sinks[1::2])]
         direct = rows is None and activation is None  # each group's input gradient is a slice of grad_x
         for group, expert, adapter, inside in expert_groups(ctx.counts, ctx.lora):
             if adapter is None and not need_x:
@@ -185,7 +192,7 @@ class _ExpertLinear(torch.autograd.Function):
                 else:
                     grad_x.index_add_(0, rows[group], grad_xg)
         grads = [g for pair in zip(grad_as, grad_bs) for g in pair]
-        grads = [g.to(dtype) for g, dtype in zip(grads, ctx.factor_dtypes)]
+        grads = [None if sink is not None else g.to(dtype) for g, sink, dtype in zip(grads, sinks, ctx.factor_dtypes)]
         return grad_x, None, None, None, None, None, None, None, None, *grads
 
 

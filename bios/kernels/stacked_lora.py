@@ -5,7 +5,8 @@ adapter's A factors of those layers, stacked, make one `x [A_q; A_k; A_v]ᵀ`; i
 input's gradient through all the weights and one more through all of an adapter's A factors, and one gives the
 stacked A factors' gradients. Fewer and wider products: the separate layers' rank-16 products ran at 60-130
 GFLOP/s on a 2-core AVX2 CPU against ~200 for the frozen ones, and each layer costs a GPU a dozen launches.
-The arithmetic is `lora_linear_multi`'s for each layer, to fp32 rounding (wider products sum in other orders).
+The arithmetic is `lora_linear_multi`'s for each layer, to fp32 rounding (wider products sum in other orders),
+with its scales as GEMM alphas and its factors' gradients added into a preset `.grad` by the GEMMs (`grad_sink`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from bios.kernels.frozen_matmul import frozen_input_grad, frozen_linear
 from bios.kernels.grad_wanted import grad_wanted
-from bios.kernels.lora import lora_b_grad
+from bios.kernels.lora import add_b_grad, grad_sink, lora_b_grad, scaled_mm
 
 
 def end_to_end(tensors: list[Tensor]) -> Tensor | None:
@@ -110,6 +111,7 @@ class _StackedLoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, outs, plan, *factors):
         y, stacked_as, lora_bs, xas = _stacked_forward(x, weight, bias, _columns(outs), plan, factors)
         ctx.outs, ctx.plan = outs, plan
+        ctx.first_factor_edge = 2 + (bias is not None)  # autograd's edges: the tensor inputs x, weight, bias?
         ctx.factor_dtypes = [f.dtype for f in factors]
         ctx.save_for_backward(x, weight, *stacked_as, *lora_bs, *xas)
         return y
@@ -122,22 +124,43 @@ class _StackedLoraLinear(torch.autograd.Function):
         stacked_as, lora_bs, xas = rest[: len(plan)], rest[len(plan) : len(plan) + n_b], rest[len(plan) + n_b :]
         need_x = ctx.needs_input_grad[0]
         grad_x = frozen_input_grad(grad_y, weight) if need_x else None
-        grad_factors, b_index = [], 0
+        grad_factors, b_index, edge = [], 0, ctx.first_factor_edge  # edge: the adapter's first factor's (grad_sink)
         for (start, end, members, scale), a, xa in zip(plan, stacked_as, xas):
             g = grad_y[start:end]
-            bs = lora_bs[b_index : b_index + len(members)]
-            b_index += len(members)
-            # d loss / d (x Aᵀ) is scale·g·B per layer; the scale goes on the small results, as in lora_linear_multi
-            g_b = torch.cat([g[:, columns[m]] @ b for m, b in zip(members, bs)], dim=1) if len(bs) > 1 \
-                else g[:, columns[members[0]]] @ bs[0]
+            n = len(members)
+            bs = lora_bs[b_index : b_index + n]
+            b_index += n
+            # d loss / d (x Aᵀ) is scale·g·B per layer; the scale goes on the small results as the GEMMs' alpha, and
+            # into the factors' .grad directly where autograd would only add it there (`grad_sink`)
+            ranks = [b.shape[1] for b in bs]
+            rank_starts = [0, *accumulate(ranks)]
+            if n > 1:  # each layer's g·B straight into its columns of one buffer (no cat)
+                g_b = g.new_empty(g.shape[0], rank_starts[-1])
+                for m, b, r0, r1 in zip(members, bs, rank_starts, rank_starts[1:]):
+                    torch.mm(g[:, columns[m]], b, out=g_b[:, r0:r1])
+            else:
+                g_b = g[:, columns[members[0]]] @ bs[0]
             if need_x:
                 grad_x[start:end].addmm_(g_b, a, alpha=scale)
-            grad_a = (g_b.T @ x[start:end]).mul_(scale)
-            ranks = [b.shape[1] for b in bs]
-            grad_factors.extend(grad_a.split(ranks))
-            rank_starts = [0, *accumulate(ranks)]
-            grad_factors.extend(lora_b_grad(g[:, columns[m]], xa[:, r0:r1]).mul_(scale)
-                                for m, r0, r1 in zip(members, rank_starts, rank_starts[1:]))
-        grad_factors = [g.to(dtype) if need else None
+            sinks = [grad_sink(ctx, edge + k, x.dtype) for k in range(2 * n)]
+            edge += 2 * n
+            joined = end_to_end(sinks[:n]) if n > 1 and all(sink is not None for sink in sinks[:n]) else None
+            if joined is not None:  # the A factors' .grad lie end to end: the stacked product straight into them
+                joined.addmm_(g_b.T, x[start:end], alpha=scale)
+                grad_factors.extend([None] * n)
+            elif all(sink is not None for sink in sinks[:n]):
+                # each A's gradient straight into its .grad: its r rows of the stacked product, one addmm_ each
+                for sink, r0, r1 in zip(sinks[:n], rank_starts, rank_starts[1:]):
+                    sink.addmm_(g_b[:, r0:r1].T, x[start:end], alpha=scale)
+                grad_factors.extend([None] * n)
+            else:
+                grad_factors.extend(scaled_mm(g_b.T, x[start:end], scale).split(ranks))
+            for sink, m, r0, r1 in zip(sinks[n:], members, rank_starts, rank_starts[1:]):
+                if sink is None:
+                    grad_factors.append(lora_b_grad(g[:, columns[m]], xa[:, r0:r1], scale))
+                else:
+                    add_b_grad(sink, g[:, columns[m]], xa[:, r0:r1], scale)
+                    grad_factors.append(None)
+        grad_factors = [g.to(dtype) if need and g is not None else None
                         for g, dtype, need in zip(grad_factors, ctx.factor_dtypes, ctx.needs_input_grad[5:])]
         return grad_x, None, None, None, None, *grad_factors
