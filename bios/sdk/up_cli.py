@@ -237,6 +237,8 @@ def run_logs(args: argparse.Namespace) -> int:
         raise CommandError(f"no {name} log in {args.state_dir}" + (
             f"; there are: {', '.join(present)}" if present else
             ": `bios logs` reads the logs of a cluster started with `bios up --state-dir` that directory"))
+    if args.follow:  # Ctrl-C stops following even where the caller started it ignoring SIGINT (a background job)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _print_log(path, args.tail, args.follow)
     except KeyboardInterrupt:  # how one stops following

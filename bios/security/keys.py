@@ -77,6 +77,18 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _key_bytes(text: str, prefix: str) -> bytes:
+    """The bytes of a key written `prefix` + base64 (or `tml-` + that, as the Tinker SDK sends keys); b"" when
+    `text` is not one, for the caller to refuse with its own hint."""
+    body = text.strip().removeprefix(TINKER_PREFIX) if isinstance(text, str) else ""
+    if not body.startswith(prefix):
+        return b""
+    try:
+        return _unb64(body[len(prefix):])
+    except (binascii.Error, ValueError):
+        return b""
+
+
 def _digest(salt: bytes, secret: bytes) -> bytes:
     return hashlib.sha256(salt + secret).digest()
 
@@ -97,13 +109,7 @@ class ApiKey:
     def parse(cls, text: str) -> ApiKey:
         """The key in `text` (`bios_...`, or `tml-bios_...` as the Tinker SDK sends it); AuthenticationError if
         it is not one."""
-        body = text.strip().removeprefix(TINKER_PREFIX) if isinstance(text, str) else ""
-        raw = b""
-        if body.startswith(API_KEY_PREFIX):
-            try:
-                raw = _unb64(body[len(API_KEY_PREFIX):])
-            except (binascii.Error, ValueError):
-                raw = b""
+        raw = _key_bytes(text, API_KEY_PREFIX)
         if len(raw) != _KEY_ID_BYTES + _SECRET_BYTES + _PUBLIC_BYTES:
             raise AuthenticationError(
                 "malformed API key: expected the bios_... string that `bios keys create NAME` printed"
@@ -169,13 +175,7 @@ class AdminKey:
 
     @classmethod
     def parse(cls, text: str) -> AdminKey:
-        body = text.strip().removeprefix(TINKER_PREFIX) if isinstance(text, str) else ""
-        raw = b""
-        if body.startswith(ADMIN_KEY_PREFIX):
-            try:
-                raw = _unb64(body[len(ADMIN_KEY_PREFIX):])
-            except (binascii.Error, ValueError):
-                raw = b""
+        raw = _key_bytes(text, ADMIN_KEY_PREFIX)
         if len(raw) != _ADMIN_SECRET_BYTES:
             raise AuthenticationError(f"malformed admin key: expected the biosadmin_... string; {ADMIN_KEY_HINT}")
         return cls(raw)
