@@ -40,13 +40,16 @@ def test_topk_sample_logprobs_equal_a_plain_log_softmax_of_the_models_logits(mod
         assert ids.shape == values.shape == (len(sequence.tokens), 5)
         logp = direct_logp(model, prompt + sequence.tokens)[len(prompt) - 1 : -1]
         expected_values = logp.topk(5, dim=-1).values
-        np.testing.assert_allclose(values, expected_values.numpy(), rtol=0, atol=1e-5)
+        # The decode step (one row, cached keys, C kernels at the CPU's vector width) and a full forward sum in
+        # other orders: 1e-5 relative, as tests/test_sampling.py allows its peaked fp32 model (AVX2 code differs
+        # from the forward by up to ~3e-6 relative here, AVX-512 code by less)
+        np.testing.assert_allclose(values, expected_values.numpy(), rtol=1e-5, atol=1e-6)
         # ties aside, the ids are the same; each id's value is its own logprob either way
-        np.testing.assert_allclose(logp.gather(1, torch.from_numpy(ids)).numpy(), values, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(logp.gather(1, torch.from_numpy(ids)).numpy(), values, rtol=1e-5, atol=1e-6)
         assert (np.diff(values, axis=1) <= 0).all()
         if params.temperature == 0:
             assert ids[:, 0].tolist() == sequence.tokens  # greedy picks the most likely token
-            np.testing.assert_allclose(values[:, 0], sequence.logprobs, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(values[:, 0], sequence.logprobs, rtol=1e-5, atol=1e-6)
 
 
 def test_topk_in_a_mixed_batch_equals_each_request_alone_and_asks_nothing_of_others(model, tokenizer):
