@@ -6,3 +6,7 @@
 # process at once, for about the cost of one save per step (bench/coordinator_restart.py measures it).
 CHECKPOINT_EVERY = 10
 KEEP_CHECKPOINTS = 2
+
+# Seconds a worker's collective may wait for a peer that is alive but busier (one long row): the coordinator's
+# --collective-timeout, sent to the workers with each generation. Liveness is the heartbeats' call, not this one's.
+COLLECTIVE_TIMEOUT_S = 600.0

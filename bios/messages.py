@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bios import account, images, model_input
+from bios import account, cluster_defaults, images, model_input
 from bios import types as t
 from bios.actors.remote import RemoteError
 from bios.transport.codec import Codec, DecodeError, Limits
@@ -521,7 +521,7 @@ class Reconfigure:
     plans: list[ModelPlan] = field(default_factory=list)
     epoch: str = ""  # the coordinator's incarnation: its generations' rendezvous keys are its own
     # How long a collective may wait for a peer that is alive but busier (`timeout_s` bounds joining only).
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = cluster_defaults.COLLECTIVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)

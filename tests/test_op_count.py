@@ -151,26 +151,28 @@ def _compute_ops(run) -> dict[str, int]:
     return split_counts(counter.counts)[0]
 
 
+def _ops_with_preset_grads(case) -> dict[str, int]:
+    """The compute ops of one forward and backward of `case` once its factors' .grad are preset, as the worker
+    presets them (a first run makes them exist), the input's gradient cleared."""
+    run, factors, x = case
+    run()
+    _preset_grads(factors)
+    x.grad = None
+    return _compute_ops(run)
+
+
 def test_a_lora_layer_with_preset_grads_dispatches_one_op_per_product():
     """Forward: the frozen product, then per adapter x Aᵀ and one addmm_ (scale as alpha). Backward: the input's
     gradient through W, per adapter g B, one addmm_ into the input's gradient, one addmm_ into A's .grad, and for
     B the fast-orientation product (scale as alpha) and one add_ into its .grad: no mul_, no separate scaling."""
-    run, factors, x = _lora_case(bias=False)
-    run()
-    _preset_grads(factors)
-    x.grad = None
-    ops = _compute_ops(run)
+    ops = _ops_with_preset_grads(_lora_case(bias=False))
     assert "mul_" not in ops and "mul" not in ops, ops
     # 2 adapters: forward 1 + 2 x 2, backward 1 + 2 x (g B, addmm_ x, addmm_ A, B's product + add_), x's grad store
     assert sum(ops.values()) <= 1 + 4 + 1 + 2 * 5 + 1, ops
 
 
 def test_a_stacked_layer_with_preset_grads_dispatches_no_scaling_ops():
-    run, factors, x = _stacked_case(bias=False)
-    run()
-    _preset_grads(factors)
-    x.grad = None
-    ops = _compute_ops(run)
+    ops = _ops_with_preset_grads(_stacked_case(bias=False))
     assert "mul_" not in ops and "mul" not in ops, ops
     assert ops.get("add_", 0) <= 5, ops  # B's gradients (3 + 2 layers); A's go in by addmm_
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bios import messages as m
+from bios.cluster_defaults import COLLECTIVE_TIMEOUT_S
 from bios.actors.actor import ActorRef
 
 from .adoption import adoptable
@@ -58,7 +59,6 @@ LatestCheckpoint = Callable[[str], str | None]
 Probe = Callable[[Member], Awaitable[bool]]
 
 RECONFIGURE_TIMEOUT_S = 180.0  # newcomers may have to load base models first
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # a peer may be this much busier than the others (bios-coordinator flag)
 
 
 @dataclass
@@ -91,7 +91,7 @@ class _Forming:
 class CycleRunner:
     def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
                  load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
-                 join_timeout_s: float, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                 join_timeout_s: float, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  metrics: CoordinatorMetrics | None = None, committed: dict[str, float] | None = None,
                  rejoin_grace_s: float = 0.0) -> None:
         self.scheduler = scheduler

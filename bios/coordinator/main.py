@@ -16,6 +16,7 @@ from pathlib import Path
 
 import zmq
 
+from bios import cluster_defaults
 from bios.actors import loop as event_loop
 from bios.cli_support import HelpFormatter, add_checkpoint_options, add_state_dir
 from bios.security.limits import Quotas
@@ -23,7 +24,6 @@ from bios.security.keys import KeyStore
 from bios.security.listen import InsecureListenError, check_http
 
 from .metrics import JsonLogFormatter, serve_metrics
-from .cycles import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .server import Coordinator, CoordinatorConfig
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_state_dir(p, "SQLite store, keys and checkpoints")
     p.add_argument("--cycle-s", type=float, default=10.0, help="seconds between cycles; 0 = back-to-back")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
-    p.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+    p.add_argument("--collective-timeout", type=float, default=cluster_defaults.COLLECTIVE_TIMEOUT_S,
                    help="seconds a worker's collective may wait for a peer that is alive but busier (one long row): "
                         "a pass that keeps one worker busy longer than this beyond its peers fails its request")
     p.add_argument("--seq-gap", type=float, default=float(os.environ.get("BIOS_SEQ_GAP_S", 120.0)),

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from bios import __version__
+from bios import __version__, cluster_defaults
 from bios import messages as m
 from bios import types as t
 from bios.actors.actor import ActorRef, Policy, spawn
@@ -34,7 +34,7 @@ from bios.transport.codec import Envelope, Limits
 from bios.transport.sockets import Router, next_message_id
 
 from .clock import CycleClock
-from .cycles import DEFAULT_COLLECTIVE_TIMEOUT_S, CycleRunner
+from .cycles import CycleRunner
 from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .audit import AuditLog
@@ -65,7 +65,7 @@ class CoordinatorConfig:
     cycle_s: float = 10.0
     heartbeat_timeout_s: float = 5.0
     # How long a worker's collective may wait for a peer that is alive but busier (liveness is the heartbeats').
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    collective_timeout_s: float = cluster_defaults.COLLECTIVE_TIMEOUT_S
     session_timeout_s: float = 600.0  # longer than the SDK's reconnect patience, so a returning client resumes
     stalled_after_s: float = 300.0  # the watchdog reports requests queued longer than this
     seq_gap_s: float = 120.0  # requests waiting this long behind a seq_id that never came are withdrawn

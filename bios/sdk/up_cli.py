@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from bios import cluster_defaults
 from bios.cli_support import (
     USAGE_EXIT,
     CommandError,
@@ -54,7 +55,8 @@ def add_up_parsers(subparsers: argparse._SubParsersAction) -> None:
                     help="seconds between cycles; 0 runs them back to back (bios-coordinator's default is 10)")
     up.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds before a silent worker is dead")
     up.add_argument("--collective-timeout", type=float, default=None,
-                    help="seconds a worker's collective may wait for a busier peer (default: bios-coordinator's, 600)")
+                    help="seconds a worker's collective may wait for a busier peer (default: "
+                         f"{cluster_defaults.COLLECTIVE_TIMEOUT_S:g}, as bios-coordinator)")
     add_checkpoint_options(up)
     up.add_argument("--memory-limit", type=parse_size, metavar="SIZE",
                     help="each worker's memory budget instead of its device's (e.g. 2GiB); a model that does not "

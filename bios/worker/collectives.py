@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from bios.cluster_defaults import COLLECTIVE_TIMEOUT_S
+
 from .interfaces import socket_interfaces, store_listener, unreachable
 
 log = logging.getLogger(__name__)
 
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 ABORT_POLL_S = 0.05  # how often a waiting collective looks whether its generation was aborted
 
 
@@ -119,7 +120,7 @@ class CollectiveGroup:
 
     def rebuild(self, generation: int, rank: int, world: int, master_host: str, master_port: int,
                 timeout_s: float, tp: int = 1, epoch: str = "",
-                collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
+                collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         """Leave the old group and join this generation's; blocks until every member has joined (at most
         `timeout_s`). `epoch` names the coordinator's incarnation: a restarted one numbers generations afresh,
         under keys of its own."""
