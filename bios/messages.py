@@ -394,9 +394,22 @@ class WorkerStatus:
     host: str
     pid: int
     device: str
-    state: str  # active | joining | waiting | leaving | dead
+    state: str  # active | joining | idle | waiting | leaving | dead
     last_heartbeat_age_s: float
     note: str = ""  # why a waiting worker waits (its budget cannot hold the pool's plans)
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """One group of workers (bios.coordinator.placement): the base models it holds, the workers the placement
+    gives it, its tensor-parallel size, and the replicas and workers of the generation it runs now."""
+
+    group_id: str
+    models: list[str]
+    workers: list[str]
+    tp: int
+    replicas: int
+    formed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -412,6 +425,8 @@ class ClusterStatus:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over cycles (rank 0's view)
     plans: dict[str, str] = field(default_factory=dict)  # base model -> its memory plan and estimate
     state_dir: StateDirSpace | None = None  # the coordinator's state directory: checkpoints and the request log
+    groups: list[GroupStatus] = field(default_factory=list)  # where each base model runs
+    placement_notes: list[str] = field(default_factory=list)  # why the placement last changed
 
 
 @dataclass(frozen=True)

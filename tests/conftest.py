@@ -102,7 +102,7 @@ def assert_same_weights(a, b, tol=1e-5, *, strays=0.0, stray_tol=0.0):
         np.testing.assert_allclose(a[key], b[key], rtol=0, atol=stray_tol, err_msg=key)
 
 
-def wait_for_workers(service, n, states=("active",), timeout=120.0):
+def wait_for_workers(service, n, states=("active", "idle"), timeout=120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if sum(w.state in states for w in service.cluster_status().workers) >= n:

@@ -48,7 +48,7 @@ def test_a_moe_model_too_big_for_one_worker_trains_split_by_experts_and_survives
     limit = tp2_only_memory_limit(model_dir)
     with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=limit, checkpoint_every=1,
                            heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
-        wait_for_workers(svc, 2, states=("active", "joining"))
+        wait_for_workers(svc, 2, states=("active", "joining", "idle"))
         tc = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
         plan = tc.get_info().memory_plan
         assert plan.startswith("tp2+checkpointing: 1 replica(s) x 2 tensor-parallel worker(s)"), plan

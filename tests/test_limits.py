@@ -85,7 +85,7 @@ async def test_a_runs_next_request_gets_in_even_when_later_ones_fill_the_cap(tmp
                           _no_push, lambda: None, ledger=QuotaLedger(Quotas(max_queued_per_key=2)))
     store.add_session("s", "a")
     await scheduler.receive(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
-    await scheduler.receive(SelectWork())  # the run is being created: its next request is seq_id 1
+    await scheduler.receive(SelectWork(1, (BASE,)))  # the run is being created: its next request is seq_id 1
 
     def forward_backward(seq_id: int) -> Submit:
         return Submit(b"a", "a", m.ForwardBackward("s:train:0", seq_id, BATCH, "cross_entropy"), [b"x"])

@@ -239,7 +239,7 @@ async def test_weights_a_client_sends_never_reach_a_worker(tmp_path):
                       types.SamplingParams(max_tokens=2), adapter_path="bios://s:train:0/sampler_weights/x",
                       adapter_state=forged)
     await scheduler.receive(Submit(b"bob", "bob", sample, [b"frame"]))
-    ops = [item.op for item in await scheduler.receive(SelectWork())]
+    ops = [item.op for item in await scheduler.receive(SelectWork(1, (BASE,)))]
     assert [type(op) for op in ops] == [m.CreateModel, m.Sample]
     assert ops[0].state is None and ops[1].adapter_state is None and ops[1].adapter_path is None
     store.close()

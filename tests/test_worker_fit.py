@@ -65,13 +65,12 @@ def test_the_rule_parks_workers_with_a_problem_and_says_who_serves():
 def test_one_small_worker_waits_instead_of_shrinking_the_plan_of_two_large_ones(model):
     workers = [_worker("w1", 16), _worker("w2", 16), _worker("w3", 1)]
     planner = PoolPlanner(lambda: workers)
-    choice = planner.choose(model, LORA, adapters=0, live_runs=0)
+    choice = planner.choose(model, LORA, adapters=0)
     assert (choice.plan.tp, choice.plan.replicas, choice.plan.budget_bytes) == (1, 2, 16 * GiB)
     planner.adopt(choice)
     (worker, why), = planner.parked()
     assert worker == "w3"
-    assert why.startswith(f"worker w3 (1.00 GiB) waits: {model} needs ")
-    assert why.endswith(f"per worker ({choice.plan.name}); 2 worker(s) with room serve it")
+    assert why.startswith(f"worker w3 (1.00 GiB) waits: {model} needs ") and why.endswith("GiB per worker; 2 worker(s) with room serve it")
 
 
 def test_when_no_worker_can_hold_the_model_replicated_every_worker_serves_it_split(model):
@@ -79,9 +78,10 @@ def test_when_no_worker_can_hold_the_model_replicated_every_worker_serves_it_spl
     assert _need(1) > small * GiB
     workers = [_worker("w1", small), _worker("w2", small), _worker("w3", small)]
     planner = PoolPlanner(lambda: workers)
-    planner.adopt(planner.choose(model, LORA, adapters=0, live_runs=0))
-    assert planner.tp == 2 and planner.plans[model].budget_bytes == int(small * GiB)
-    assert planner.parked() == ()
+    planner.adopt(planner.choose(model, LORA, adapters=0))
+    assert planner.plans[model].tp == 2 and planner.plans[model].budget_bytes == int(small * GiB)
+    (worker, why), = planner.parked()  # two replicas of two need a fourth worker
+    assert worker == "w3" and "waits for another worker to form a replica" in why
 
 
 def test_when_the_large_worker_leaves_the_small_ones_wait_then_serve_a_new_plan(model):
@@ -90,24 +90,30 @@ def test_when_the_large_worker_leaves_the_small_ones_wait_then_serve_a_new_plan(
     small = _need(2) / GiB
     workers = [_worker("big", 32), _worker("s1", small), _worker("s2", small)]
     planner = PoolPlanner(lambda: workers)
-    planner.adopt(planner.choose(model, LORA, adapters=0, live_runs=0))
+    planner.adopt(planner.choose(model, LORA, adapters=0))
     assert planner.plans[model].tp == 1 and [w for w, _ in planner.parked()] == ["s1", "s2"]
     workers.pop(0)
-    assert all(why.endswith("no worker with room is connected") for _, why in planner.parked())
+    planner.replace({})
+    assert [w for w, _ in planner.parked()] == ["s1", "s2"]
     planner.forget(model)
-    planner.adopt(planner.choose(model, LORA, adapters=0, live_runs=0))
+    planner.adopt(planner.choose(model, LORA, adapters=0))
     assert planner.plans[model].tp == 2 and planner.parked() == ()
 
 
-def test_a_worker_that_holds_a_model_is_not_parked_for_another_one_it_holds_too(model):
+def test_a_small_worker_keeps_serving_the_model_it_holds_when_a_larger_model_comes(model):
+    """Each model has its own group: the large model takes a large worker from the tiny model's replicas, and
+    the small worker goes on serving the tiny model instead of waiting."""
     workers = [_worker("w1", 16), _worker("w2", 16), _worker("w3", 1)]
     planner = PoolPlanner(lambda: workers)
-    planner.adopt(planner.choose(BASE, LORA, adapters=0, live_runs=0))
-    assert planner.parked() == ()  # the tiny model fits everyone
-    planner.adopt(planner.choose(model, LORA, adapters=0, live_runs=0))
-    assert [w for w, _ in planner.parked()] == ["w3"]
+    planner.adopt(planner.choose(BASE, LORA, adapters=0))
+    assert planner.parked() == () and planner.placement.group_of_model(BASE).replicas == 3
+    planner.adopt(planner.choose(model, LORA, adapters=0))
+    assert planner.parked() == ()
+    assert planner.placement.group_of_model(model).workers == ("w2",)
+    assert planner.placement.group_of_model(BASE).workers == ("w1", "w3")
     planner.forget(model)
-    assert planner.parked() == ()  # the big model's runs are gone: w3 serves again
+    planner.replace({})
+    assert planner.placement.group_of_model(BASE).replicas == 3  # the big model's runs are gone: w2 comes back
 
 
 # ------------------------------------------------------------------------------------ a real cluster
@@ -144,7 +150,7 @@ def test_a_small_worker_waits_while_large_ones_train_and_the_run_waits_when_only
     with bios.LocalCluster(workers=2, worker_threads=1, worker_memory_limit=LARGE, checkpoint_every=1,
                            heartbeat_timeout_s=3.0) as cluster, bios.ServiceClient(address=cluster.address) as svc:
         small = cluster.add_worker(memory_limit=SMALL)
-        wait_for_workers(svc, 3, states=("active", "joining", "waiting"))
+        wait_for_workers(svc, 3, states=("active", "joining", "idle", "waiting"))
         tc = svc.create_lora_training_client(BASE, rank=LORA.rank, seed=SEED)
         assert tc.get_info().memory_plan.startswith("replicate: 2 replica(s)"), tc.get_info().memory_plan
         got = [f.result(180).loss for f in train_steps(tc, BATCH, PARAMS, 2)[0::2]]
@@ -178,4 +184,4 @@ def test_a_small_worker_waits_while_large_ones_train_and_the_run_waits_when_only
         assert_same_weights(saved_adapter(svc, tc), weights)
         assert _status_of(svc, small).state == "waiting"
         log = (cluster.state_dir / "coordinator.log").read_text()
-        assert "no live worker can hold the pool's base models" in log and "restores from" in log
+        assert f"no live worker can hold {BASE}" in log and "restores from" in log

@@ -195,8 +195,7 @@ class Admission:
         if op.lora.seed is None:  # one seed for every replica, so they agree from the first step
             op = dataclasses.replace(op, lora=dataclasses.replace(op.lora, seed=secrets.randbits(63)))
         same_base = sum(1 for run in runs.values() if run.base_model == op.base_model)
-        held = sum(1 for run in runs.values() if run.status == "ready")
-        return op, self.planner.choose(op.base_model, op.lora, adapters=same_base, live_runs=held)
+        return op, self.planner.choose(op.base_model, op.lora, adapters=same_base)
 
     def load_starting_state(self, op: m.CreateModel, owner: str) -> m.CreateModel:
         """A run created from a checkpoint takes its weights, LoRA shape and base model from it; starting

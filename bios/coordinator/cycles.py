@@ -1,7 +1,8 @@
-"""Runs cycles on the current generation of workers, forming a new generation whenever membership changes.
+"""Runs one group's cycles (`bios.coordinator.groups`) on its current generation of workers, forming a new
+generation whenever its members or its layout change.
 
-Every live worker is a replica: it holds every adapter and takes a token-balanced shard of every batch, and
-their gradients are summed before each optimizer step. A new generation (a join, a leave, a death, a failed
+Every member of the group is a replica: it holds every adapter of the group's base models and takes a
+token-balanced shard of every batch, and their gradients are summed before each optimizer step. A new generation (a join, a leave, a death, a failed
 collective) is formed between cycles: ranks are assigned, rank 0 is a worker that already holds the current
 state, and every member takes each adapter's state from rank 0 by broadcast. If no member holds state (the
 whole pool was lost) runs restore from their latest automatic checkpoint.
@@ -13,10 +14,9 @@ it tells the members still in it (`AbortGeneration`), whose collectives then end
 with every member alive (a collective timed out) is reported `stalled`: the scheduler runs its requests again in
 a cycle of their own, and gives up on a request that stalls twice, so no pass can livelock the cluster.
 
-A live worker whose memory budget cannot hold the pool's plans is parked (`bios.coordinator.worker_fit`): it
-stays registered but is left out of the generation, and is weighed again at every new generation and whenever
-the plans change. When every live worker is parked nothing runs: requests wait, with a notice, for a worker
-with room.
+Which workers are the group's is the placement's call (`bios.coordinator.placement`); a worker the placement
+moves here from another group joins once that group has finished the cycle or formation it runs with it. When
+the group has too few workers for one replica nothing runs: its requests wait, with a notice, for a worker.
 
 Tensor parallelism (a base model's memory plan needs k > 1 workers): a generation is `world // k` replicas of
 k shard holders (rank r holds shard r % k of replica r // k); members beyond a multiple of k stand by. Rank j
@@ -47,8 +47,9 @@ from .adoption import adoptable
 from .clock import CycleClock
 from .membership import Member, Membership
 from .ranking import rank_members
+from .roster import Roster
 from .metrics import CoordinatorMetrics
-from .mailbox import (Adapters, Committed, CycleEnded, Finished, Layout, NotifyWaiting, PoolLayout, Recovered,
+from .mailbox import (Adapters, Committed, CycleEnded, Finished, Formed, GroupLayout, Layout, NotifyWaiting, Recovered,
                       RunsLost, SelectWork)
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,16 @@ class _Forming:
 
 
 class CycleRunner:
-    def __init__(self, scheduler: ActorRef, clock: CycleClock, membership: Membership, send: SendToWorker,
-                 load_state: LoadState, latest_checkpoint: LatestCheckpoint, probe: Probe,
-                 join_timeout_s: float, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    def __init__(self, group_id: str, scheduler: ActorRef, clock: CycleClock, membership: Membership,
+                 roster: Roster, send: SendToWorker, load_state: LoadState, latest_checkpoint: LatestCheckpoint,
+                 probe: Probe, join_timeout_s: float, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  metrics: CoordinatorMetrics | None = None, committed: dict[str, float] | None = None,
-                 rejoin_grace_s: float = 0.0) -> None:
+                 rejoin_grace_s: float = 0.0, epoch: str = "") -> None:
+        self.group_id = group_id
         self.scheduler = scheduler
         self.clock = clock
         self.membership = membership
+        self.roster = roster
         self.send = send
         self.load_state = load_state
         self.latest_checkpoint = latest_checkpoint
@@ -107,7 +110,7 @@ class CycleRunner:
         self.current: _Cycle | None = None
         self.forming: _Forming | None = None
         self.generation = -1
-        self.epoch = f"{uuid.uuid4().hex[:8]}/"  # generations restart at 1 with each coordinator incarnation
+        self.epoch = epoch or f"{uuid.uuid4().hex[:8]}/"  # generations restart at 1 with each coordinator incarnation
         self.ranked: list[Member] = []
         self.holders: set[str] = set()
         # Each adapter's checksum after the last cycle or generation that changed it (whole adapters only): a
@@ -116,42 +119,47 @@ class CycleRunner:
         self.committed: dict[str, float] = dict(committed or {})
         self._rejoin_deadline = time.monotonic() + rejoin_grace_s if committed else 0.0
         self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
-        self.layout = PoolLayout(1, ())  # the tensor-parallel size and plans the current generation runs
-        self.parked: dict[str, str] = {}  # live workers left out because the plans do not fit them -> why
+        self.layout = GroupLayout(1, (), (), ())  # the layout the current generation runs
+        self._formed: tuple[frozenset[int], GroupLayout] | None = None  # members (as objects) and layout formed
+        self._stale = False  # the same members must form again (a collective failed, replicas diverged)
+        self.gone = False  # the placement dissolved the group: the runner ends
         self._join_failures: dict[str, int] = {}
         self._leaving: list[Member] = []
         self._lock = asyncio.Lock()
         self.phase_seconds: dict[str, float] = {}
-        self._next_id = 0
 
     async def run_forever(self) -> None:
         watcher = asyncio.ensure_future(self._form_on_change())
         try:
-            while True:
+            while not self.gone:
                 await self.clock.next_tick()
                 async with self._lock:
                     members = await self._current_generation()  # form first: a lost run's work is never selected
-                    items: list[m.WorkItem] = await self.scheduler.ask(SelectWork())
+                    if members is None:
+                        break
+                    cycle_id = self.roster.next_cycle_id()
+                    items: list[m.WorkItem] = await self.scheduler.ask(SelectWork(cycle_id, self.layout.models))
                     if items:
-                        await self._run_cycle(members, items)
+                        await self._run_cycle(cycle_id, members, items)
         finally:
             watcher.cancel()
+            self.roster.release(self.group_id)
 
     async def _form_on_change(self) -> None:
-        """Form a new generation as soon as membership changes, not only when work arrives: a newcomer should
-        hold the state before anyone else can die."""
-        seen = self.membership.generation
+        """Form a new generation as soon as the group's members or layout change, not only when work arrives: a
+        newcomer should hold the state before anyone else can die."""
         while True:
-            await self.membership.changed_since(seen)
-            seen = self.membership.generation
+            seen = self.roster.version
             async with self._lock:
-                if self.membership.alive() and self.generation != self.membership.generation:
-                    await self._current_generation()
+                if await self._current_generation() is None:
+                    self.gone = True
+                    self.clock.work_queued()  # wake the cycle loop, which ends
+                    return
+            await self.roster.changed_since(seen)
 
     # ------------------------------------------------------------------------------------ cycles
 
-    async def _run_cycle(self, members: list[Member], items: list[m.WorkItem]) -> None:
-        self._next_id += 1
+    async def _run_cycle(self, cycle_id: int, members: list[Member], items: list[m.WorkItem]) -> None:
         training = [i for i in items if not isinstance(i.op, m.Sample)]
         dealt: dict[str, list[m.WorkItem]] = {mb.worker_id: [] for mb in members}
         tp = self.layout.tp
@@ -164,19 +172,21 @@ class CycleRunner:
             for member in members[replica * tp : (replica + 1) * tp]:
                 dealt[member.worker_id].append(item)
         cycle = _Cycle(
-            cycle_id=self._next_id,
+            cycle_id=cycle_id,
             workers={mb.worker_id for mb in members},
             expected={item.request_id for item in items},
             ops={item.request_id: item.op for item in items},
             waiting={mb.worker_id for mb in members},
         )
         self.current = cycle
+        self.roster.occupy(self.group_id, list(cycle.workers))
         started = time.monotonic()
         for member in members:
             work = training + self._with_sampler_weights(member, dealt[member.worker_id])
             await self.send(member.peer, m.RunCycle(cycle.cycle_id, self.generation, work))
         await cycle.done.wait()
         self.current = None
+        self.roster.release(self.group_id)
         await self._release_leavers()
         duration = time.monotonic() - started
         self.clock.cycle_ran(duration)
@@ -187,7 +197,7 @@ class CycleRunner:
                 self.committed.pop(getattr(op, "model_id", ""), None)
         elif self.ranked and self.layout.tp == 1:
             self.committed.update(cycle.checksums.get(self.ranked[0].worker_id, {}))
-        self.scheduler.tell(Committed(dict(self.committed)))
+        self.scheduler.tell(Committed(self.layout.models, dict(self.committed)))
         stalled = cycle.aborted and cycle.collective_failed and not cycle.worker_died
         why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
         self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted, cycle.worker_died,
@@ -197,8 +207,13 @@ class CycleRunner:
                         len(cycle.expected - cycle.finished), len(cycle.expected),
                         "every member alive: " if stalled else "", why)
             if cycle.collective_failed:
-                self.membership.bump("a collective failed; the group is rebuilt")
+                self._rebuild("a collective failed; the group is rebuilt")
             self.clock.work_queued()
+
+    def _rebuild(self, why: str) -> None:
+        """Form the group's generation again with the same members."""
+        self._stale = True
+        self.roster.changed(f"{self.group_id}: {why}")
 
     def leaving(self, member: Member) -> None:
         """A graceful leave: the member finishes the cycle it is in, then is told to exit."""
@@ -236,7 +251,7 @@ class CycleRunner:
             if len(values) > 1:
                 log.error("replicas of %s diverged after cycle %d (checksums %s); re-broadcasting from rank 0",
                           model_id, cycle.cycle_id, sorted(values))
-                self.membership.bump(f"repair diverged replicas of {model_id}")
+                self._rebuild(f"repair diverged replicas of {model_id}")
 
     def item_done(self, worker_id: str, done: m.ItemDone) -> None:
         cycle = self.current
@@ -314,39 +329,57 @@ class CycleRunner:
 
     # ------------------------------------------------------------------------------------ generations
 
-    async def _current_generation(self) -> list[Member]:
-        """Every membership change bumps the generation, so an unchanged number means unchanged members; a new
-        memory plan (a model that needs tensor parallelism, or one that parks a worker) forms a new generation too."""
+    async def _current_generation(self) -> list[Member] | None:
+        """The group's generation, formed anew when its members (the placement's, once no other group still
+        runs a cycle with them) or its layout changed, or when it must be rebuilt; None once it is dissolved."""
         while True:
-            members = await self._members_after_restart()
-            layout: PoolLayout = await self.scheduler.ask(Layout())
-            self.parked = dict(layout.parked)
-            members = [mb for mb in members if mb.worker_id not in self.parked]
-            if self.generation == self.membership.generation:
-                if layout == self.layout:
-                    return self.ranked
-                self.membership.bump(f"memory plans changed (tensor-parallel size {self.layout.tp} -> {layout.tp}, "
-                                     f"{len(self.parked)} worker(s) parked)")
-            if len(members) < layout.tp:
-                await self._wait_for_room(len(members), layout.tp)
+            seen = self.roster.version
+            layout: GroupLayout | None = await self.scheduler.ask(Layout(self.group_id))
+            if layout is None:
+                return None
+            live = {mb.worker_id: mb for mb in self.membership.alive()}
+            members = [live[w] for w in layout.workers if w in live and not self.roster.busy_elsewhere(w, self.group_id)]
+            if self._rejoin_deadline and await self._wait_for_rejoin(members, layout, seen):
+                continue
+            formed = (frozenset(id(mb) for mb in members), dataclasses.replace(layout, workers=()))
+            if formed == self._formed and not self._stale:
+                return self.ranked
+            if len(members) < max(1, layout.tp):
+                await self._wait_for_room(len(members), layout, seen)
                 continue
             if await self._form(members, layout):
+                self._formed, self._stale = formed, False
                 return self.ranked
 
-    async def _wait_for_room(self, serving: int, tp: int) -> None:
-        """Too few workers can hold the plans: say why, then wait for membership to change."""
-        if serving or not self.parked:
-            log.warning("%d worker(s) can serve, but the memory plan splits models over %d: waiting for more",
-                        serving, tp)
+    async def _wait_for_room(self, serving: int, layout: GroupLayout, seen: int) -> None:
+        """Too few workers for one replica: say why, then wait for the roster to change."""
+        models = ", ".join(layout.models)
+        if serving or layout.workers:
+            log.warning("%s: %d worker(s) can serve, but its plan splits it over %d: waiting for more", models,
+                        serving, layout.tp)
         else:
-            why = "; ".join(self.parked.values())
-            log.warning("no live worker can hold the pool's base models: %s", why)
-            await self.scheduler.ask(NotifyWaiting(f"it waits for a worker with room for its base model ({why})"))
-        await self.membership.changed_since(self.membership.generation)
+            log.warning("no live worker can hold %s", models)
+            await self.scheduler.ask(NotifyWaiting(f"it waits for a worker with room for its base model ({models})",
+                                                   layout.models))
+        await self.roster.changed_since(seen)
 
-    async def _form(self, members: list[Member], layout: PoolLayout) -> bool:
-        generation = self.membership.generation
-        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters())
+    async def _wait_for_rejoin(self, members: list[Member], layout: GroupLayout, seen: int) -> bool:
+        """After a coordinator restart, wait (a little) for a worker that kept the group's state to register
+        again, so a newcomer that registers first does not make its runs restore from disk; True after a wait."""
+        left = self._rejoin_deadline - time.monotonic()
+        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters(layout.models))
+        mine = {spec.model_id for spec in adapters}
+        self.committed = {model_id: value for model_id, value in self.committed.items() if model_id in mine}
+        if left <= 0 or not self.committed or any(adoptable(mb, self.committed) is not None for mb in members):
+            self._rejoin_deadline = 0.0
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.roster.changed_since(seen), left)
+        return True
+
+    async def _form(self, members: list[Member], layout: GroupLayout) -> bool:
+        generation = self.roster.next_generation()
+        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters(layout.models))
         if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
             self._adopt_rejoined(members, adapters)
         ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, self.layout.tp)
@@ -356,6 +389,7 @@ class CycleRunner:
         master = ranked[0]
         forming = _Forming(generation, {mb.worker_id for mb in ranked})
         self.forming = forming
+        self.roster.occupy(self.group_id, [mb.worker_id for mb in ranked])
         for rank, member in enumerate(ranked):
             if self.shards.get(member.worker_id) != (layout.tp, rank % layout.tp):
                 member.sampler_paths.clear()  # a newcomer, or a holder of another shard: samplers are reloaded
@@ -369,37 +403,29 @@ class CycleRunner:
             forming.failed |= forming.waiting
             self._abort_members(forming, generation, f"not formed within {RECONFIGURE_TIMEOUT_S:.0f}s")
         self.forming = None
+        self.roster.release(self.group_id)
         if forming.failed:
             await self._after_failed_formation(generation, forming.failed)
             return False
-        if generation != self.membership.generation:
-            return False  # membership changed meanwhile: form again
+        if any(self.membership.members.get(mb.worker_id) is not mb or mb.state != "ready" for mb in ranked):
+            return False  # a member left or registered again meanwhile: form again
         self.generation, self.ranked, self.layout = generation, ranked, layout
         self.holders = {mb.worker_id for mb in ranked}
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
-        self.scheduler.tell(Committed(dict(self.committed)))
+        self.scheduler.tell(Committed(layout.models, dict(self.committed)))
+        self.scheduler.tell(Formed(self.group_id, tuple(mb.worker_id for mb in ranked)))
         self._join_failures.clear()
-        log.info("generation %d formed: %s", generation, ", ".join(mb.worker_id for mb in ranked))
+        log.info("%s: generation %d formed: %s", self.group_id, generation, ", ".join(mb.worker_id for mb in ranked))
         return True
-
-    async def _members_after_restart(self) -> list[Member]:
-        """The live members; after a coordinator restart, first wait (a little) for a worker that kept the runs'
-        state to register again, so a newcomer that registers first does not make them restore from disk."""
-        while True:
-            members = await self.membership.wait_for_alive()
-            left = self._rejoin_deadline - time.monotonic()
-            if left <= 0 or any(adoptable(mb, self.committed) is not None for mb in members):
-                self._rejoin_deadline = 0.0
-                return members
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.membership.changed_since(self.membership.generation), left)
 
     def _adopt_rejoined(self, members: list[Member], adapters: list[m.AdapterSpec]) -> None:
         """No survivor holds the state, but a worker that registered again (after it was declared dead while
         alive, or after the coordinator restarted) may: if it holds every adapter as last committed, or one
         committed cycle further, it is the source instead of a checkpoint."""
-        if {spec.model_id for spec in adapters} - self.committed.keys():
+        mine = {spec.model_id for spec in adapters}
+        self.committed = {model_id: value for model_id, value in self.committed.items() if model_id in mine}
+        if mine - self.committed.keys():
             return
         for member in members:
             recovered = adoptable(member, self.committed)
@@ -423,8 +449,7 @@ class CycleRunner:
             self._join_failures[worker_id] = self._join_failures.get(worker_id, 0) + 1
             if not await self.probe(member) or self._join_failures[worker_id] >= 3:
                 self.membership.mark_dead(worker_id, f"could not join generation {generation}")
-        if self.membership.generation == generation:
-            self.membership.bump(f"generation {generation} could not form")
+        self._stale = True
 
     def _restore_from_checkpoints(self, adapters: list[m.AdapterSpec]) -> tuple[list[m.AdapterSpec], dict[str, m.CheckpointState]]:
         kept, restore, lost = [], {}, []

@@ -49,7 +49,10 @@ class ExpireGaps:
 
 @dataclass(frozen=True)
 class SelectWork:
-    pass
+    """The next cycle's items for the group of workers that holds `models` (its cycle is `cycle_id`)."""
+
+    cycle_id: int
+    models: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -74,27 +77,46 @@ class QueueDepth:
 
 @dataclass(frozen=True)
 class NotifyWaiting:
-    """Tell the clients of every waiting request why it waits (no worker is connected): a Notice each."""
+    """Tell the clients of every waiting request on `models` why it waits (no worker can hold them): a Notice
+    each."""
 
     message: str
+    models: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Adapters:
-    """The adapters every worker of a generation must hold: one per ready run."""
+    """The adapters every worker of a group's generation must hold: one per ready run of its `models`."""
+
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Place the base models anew on the live workers (`bios.coordinator.placement`): the new `Placement`."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the pool holds its base models: the tensor-parallel size, each base model's plan, and the live
-    workers whose budget cannot hold them (parked)."""
+    """How the group `group_id` holds its base models now (a `GroupLayout`; None once the group is gone)."""
+
+    group_id: str
 
 
 @dataclass(frozen=True)
-class PoolLayout:
+class Formed:
+    """Group `group_id` formed a generation of `workers`, in rank order."""
+
+    group_id: str
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
     tp: int
     plans: tuple[m.ModelPlan, ...]
-    parked: tuple[tuple[str, str], ...] = ()  # (worker id, why it waits): live workers left out of the generation
+    workers: tuple[str, ...]  # the placement's workers of the group, holders first
+    models: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,7 @@ class Committed:
     """Each adapter's checksum after the last commit: kept in the state dir, so a restarted coordinator knows
     which rejoining workers hold the current state."""
 
+    models: tuple[str, ...]  # the base models of the group that committed: their adapters' entries are replaced
     checksums: dict[str, float]
 
 

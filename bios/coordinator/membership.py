@@ -101,21 +101,26 @@ class Membership:
         while self.generation == generation:
             await self._changed.wait()
 
-    def status(self, active: set[str], parked: Mapping[str, str]) -> list[m.WorkerStatus]:
-        """`active` members hold the current state; `waiting` ones are `parked` (the plans do not fit their
-        budget: the note says why); `joining` ones are registered but not yet in a generation."""
+    def status(self, active: set[str], parked: Mapping[str, str], placed: set[str]) -> list[m.WorkerStatus]:
+        """`active` members are in their group's generation; `waiting` ones are `parked` (no group can use them:
+        the note says why); `joining` ones are `placed` in a group but not yet in its generation; `idle` ones are
+        in no group because no run needs them yet."""
         now = time.monotonic()
         return [
-            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, self._state(mb, active, parked),
+            m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, self._state(mb, active, parked, placed),
                            now - mb.last_seen, parked.get(mb.worker_id, "") if mb.state == "ready" else "")
             for mb in self.members.values()
         ]
 
     @staticmethod
-    def _state(member: Member, active: set[str], parked: Mapping[str, str]) -> str:
+    def _state(member: Member, active: set[str], parked: Mapping[str, str], placed: set[str]) -> str:
         if member.state != "ready":
             return member.state
-        return "waiting" if member.worker_id in parked else "active" if member.worker_id in active else "joining"
+        if member.worker_id in parked:
+            return "waiting"
+        if member.worker_id in active:
+            return "active"
+        return "joining" if member.worker_id in placed else "idle"
 
     def bump(self, why: str) -> None:
         """Start a new generation (the cycle runner re-forms the group before the next cycle)."""

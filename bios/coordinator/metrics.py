@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Accept -> done includes waiting for the tick (up to `cycle_s`) and the cycle itself.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
-WORKER_STATES = ("active", "joining", "waiting", "leaving", "dead")
+WORKER_STATES = ("active", "joining", "idle", "waiting", "leaving", "dead")
 # Rare, meaningful requests are logged at INFO; the rest (every training step) at DEBUG.
 _INFO_OPS = frozenset({"create_model", "save_weights", "load_weights"})
 # Attributes a log call may pass with `extra=` that the JSON format keeps as fields.

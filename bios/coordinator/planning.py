@@ -1,8 +1,9 @@
-"""How the pool holds its base models: each one's memory plan, the pool's tensor-parallel size, and which
-workers wait because their budget cannot hold the plans (`bios.coordinator.worker_fit`).
+"""How the cluster holds its base models: each one's memory plan (its own tensor-parallel size) and where it
+runs (`bios.coordinator.placement`: a group of workers per base model).
 
 `choose` decides and changes nothing, so admission can refuse a run with the planner's reason and leave no
-trace; the scheduler `adopt`s a choice once the run is accepted and `forget`s a base model no run uses.
+trace; the scheduler `adopt`s a choice once the run is accepted, `forget`s a base model no run uses, and
+`replace`s the models whenever the workers change.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 from bios import messages as m
 from bios import types as t
 from bios.exceptions import BadRequestError
-from bios.models.memory_plan import USABLE_FRACTION, GiB, Plan, choose_plan, model_shape
+from bios.models.memory_plan import Plan, choose_plan, model_shape
 
+from .placement import Group, ModelNeed, Placement, place
 from .worker_fit import fit_workers
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ Workers = Callable[[], list[Any]]  # the live workers (membership Members: worke
 PLAN_TOKENS_PER_PASS = 4096
 MAX_TOKENS_PER_PASS = 16384
 MIN_TOKENS_PER_PASS = 256
+UNPLANNED = "replicate (not planned: the coordinator cannot read its config.json)"
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class PlanChoice:
     base_model: str
     plan: Plan | None  # None: not planned (no config here, or no worker yet)
     note: str
-    tp: int
+    placement: Placement | None = None  # the placement with this model placed (None: unchanged)
     waiting: t.LoraConfig | None = None  # planned again once workers join
 
 
@@ -47,22 +50,20 @@ class PoolPlanner:
         self.workers = workers
         self.plans: dict[str, Plan | None] = {}
         self.notes: dict[str, str] = {}  # base model -> the plan and estimate, or why there is none
-        self.tp = 1  # grows when a model needs it, never shrinks under live runs
         self.waiting: dict[str, t.LoraConfig] = {}  # base models whose runs came before any worker
+        self.placement = Placement()
+        self.base_of: dict[str, str] = {}  # run (model id) -> its base model, kept by the scheduler
 
-    def choose(self, base_model: str, lora: t.LoraConfig, *, adapters: int, live_runs: int) -> PlanChoice:
-        """The plan of `base_model` with one adapter more; BadRequestError when none fits.
-
-        `adapters`: runs of this base model already there; `live_runs`: runs of the pool whose adapters are
-        held (split the pool's current way, which cannot change under them).
-        """
+    def choose(self, base_model: str, lora: t.LoraConfig, *, adapters: int) -> PlanChoice:
+        """The plan of `base_model` with one adapter more, and where it runs; BadRequestError when it fits no
+        worker, or when the workers that could hold it all serve other live runs (`adapters`: runs of this base
+        model already there)."""
         shape = model_shape(base_model)
-        if shape is None:
-            return PlanChoice(base_model, None, "replicate (not planned: the coordinator cannot read its "
-                                                "config.json)", self.tp)
         workers = self.workers()
+        if shape is None:
+            return PlanChoice(base_model, None, UNPLANNED, self._placed(base_model, None) if workers else None)
         if not workers:
-            return PlanChoice(base_model, None, "waiting for workers to plan", self.tp, waiting=lora)
+            return PlanChoice(base_model, None, "waiting for workers to plan", waiting=lora)
         overheads = [worker.runtime_bytes for worker in workers if worker.runtime_bytes]
         plan_for = partial(
             choose_plan, shape, lora_rank=lora.rank, batch_tokens=PLAN_TOKENS_PER_PASS, num_adapters=adapters,
@@ -71,56 +72,56 @@ class PoolPlanner:
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
             max_batch_tokens=MAX_TOKENS_PER_PASS,
         )
-        serving = self._serving(base_model, {worker.worker_id: worker.memory_bytes for worker in workers}, plan_for)
-        plan = plan_for(min(serving.values()), workers=len(serving))
-        tp = max(self.tp, plan.tp)
-        for other, other_plan in {**self.plans, base_model: plan}.items():
-            problem = model_shape(other).tensor_parallel_problem(tp) if other_plan is not None and tp > 1 else None
-            if problem:
-                raise BadRequestError(
-                    f"{base_model} needs {plan.name} but the pool already splits its models over {self.tp} "
-                    f"workers and {other} cannot be split over {tp}: {problem}", field="base_model")
-        if tp != self.tp and live_runs:
-            # Live adapters are split the pool's current way; re-splitting them is not implemented, and
-            # another user's run must never be lost to this one's plan.
-            raise BadRequestError(
-                f"{base_model} needs {plan.name}, which would split every base model of the pool over {tp} "
-                f"workers, but the pool holds {live_runs} live run(s) split over {self.tp}; re-splitting live "
-                f"runs is not supported: create this run when they are done, or serve {base_model} from another "
-                f"cluster", field="base_model")
-        return PlanChoice(base_model, plan, plan.describe(), tp)
+        budgets = {worker.worker_id: worker.memory_bytes for worker in workers}
+        group = self.placement.group_of_model(base_model)
+        if group is not None and group.workers:  # its runs' adapters are cut group.tp ways already
+            plan = plan_for(min((budgets[w] for w in group.workers if w in budgets), default=max(budgets.values())),
+                            workers=group.tp, tp=group.tp)
+        else:
+            serving = _serving(budgets, plan_for)
+            plan = plan_for(min(serving.values()), workers=len(serving))
+        return PlanChoice(base_model, plan, plan.describe(), self._placed(base_model, plan))
 
-    def _serving(self, base_model: str, budgets: dict[str, int], plan_for: Callable[..., Plan]) -> dict[str, int]:
-        """The workers (id -> budget) a plan of `base_model` is sized for: of those that hold the pool's other
-        plans (all, if none does), the ones that can hold `base_model` replicated; all of those when none can,
-        and tensor parallelism then splits it over them. The rest wait (`parked`)."""
-        held = fit_workers(budgets, partial(self._plans_problem, skip=base_model)).serving or tuple(budgets)
-        replicated = fit_workers({worker: budgets[worker] for worker in held},
-                                 partial(_replicate_problem, plan_for)).serving or held
-        return {worker: budgets[worker] for worker in replicated}
+    def _placed(self, base_model: str, plan: Plan | None) -> Placement:
+        placement = place(self._budgets(), self._needs({base_model: plan}), self.placement, self._affinity())
+        why = dict(placement.unplaced).get(base_model)
+        if why is not None:
+            raise BadRequestError(why, field="base_model")
+        return placement
 
-    def _plans_problem(self, budget: int, skip: str = "") -> str | None:
-        """Why a worker of `budget` bytes cannot hold some plan of the pool (None: it holds them all)."""
-        for base_model, plan in self.plans.items():
-            if plan is not None and base_model != skip and plan.estimate.total > USABLE_FRACTION * budget:
-                return f"{base_model} needs {plan.estimate.total / USABLE_FRACTION / GiB:.2f} GiB per worker ({plan.name})"
-        return None
+    def _needs(self, extra: dict[str, Plan | None] | None = None, demand: dict[str, int] | None = None) -> list[ModelNeed]:
+        plans = {**{name: plan for name, plan in self.plans.items() if name not in self.waiting}, **(extra or {})}
+        return [ModelNeed(name, plan, (demand or {}).get(name, 0)) for name, plan in plans.items()]
 
-    def parked(self) -> tuple[tuple[str, str], ...]:
-        """The live workers whose budget cannot hold the pool's plans, each with why it waits: they stay out of
-        the next generation. Every worker is parked when none can hold them (the runs then wait for one)."""
-        budgets = {worker.worker_id: worker.memory_bytes for worker in self.workers()}
-        return tuple(sorted(fit_workers(budgets, self._plans_problem).parked.items()))
+    def _budgets(self) -> dict[str, int]:
+        return {worker.worker_id: worker.memory_bytes for worker in self.workers()}
+
+    def _affinity(self) -> dict[str, frozenset[str]]:
+        """Worker -> the base models of the adapters it reported holding when it registered."""
+        return {worker.worker_id: frozenset(self.base_of[model_id] for model_id in getattr(worker, "holdings", {})
+                                            if model_id in self.base_of) for worker in self.workers()}
+
+    def replace(self, demand: dict[str, int]) -> Placement:
+        """Place the base models anew on the live workers (after a join, a leave, a new or a finished model);
+        `demand`: queued requests per base model, which spare replicas follow."""
+        placement = place(self._budgets(), self._needs(demand=demand), self.placement, self._affinity())
+        if placement.layout() != self.placement.layout():
+            for why in placement.reasons:
+                log.info("placement: %s", why)
+        else:  # nothing moved: the reasons shown stay those of the last change
+            placement = dataclasses.replace(placement, reasons=self.placement.reasons)
+        self.placement = placement
+        return placement
 
     def adopt(self, choice: PlanChoice) -> None:
         self.plans[choice.base_model] = choice.plan
         self.notes[choice.base_model] = choice.note
         if choice.waiting is not None:
             self.waiting[choice.base_model] = choice.waiting
-        if choice.tp != self.tp:
-            log.info("the pool now splits base models over %d workers: %s needs %s", choice.tp,
-                     choice.base_model, choice.plan.name if choice.plan else "it")
-        self.tp = choice.tp
+        if choice.placement is not None:
+            for why in choice.placement.reasons:
+                log.info("placement: %s", why)
+            self.placement = choice.placement
 
     def forget(self, base_model: str) -> None:
         """No run uses `base_model` any more: drop its plan and its line in `bios status`."""
@@ -139,6 +140,22 @@ class PoolPlanner:
         """The live workers' memory budgets (bytes)."""
         return [worker.memory_bytes for worker in self.workers()]
 
+    def parked(self) -> tuple[tuple[str, str], ...]:
+        """The live workers in no group, each with why it waits."""
+        return self.placement.parked
+
+    def describe(self, base_model: str) -> str | None:
+        """The plan as run: its group's replicas and workers, not the ones it was first sized for."""
+        note, plan = self.notes.get(base_model), self.plans.get(base_model)
+        group = self.placement.group_of_model(base_model)
+        if group is None or plan is None:
+            return note
+        shown = dataclasses.replace(plan, replicas=group.replicas).describe()
+        return shown + (note.removeprefix(plan.describe()) if note and note.startswith(plan.describe()) else "")
+
+    def descriptions(self) -> dict[str, str]:
+        return {name: self.describe(name) or "" for name in self.notes}
+
     def shrink_passes(self, base_models: set[str]) -> int | None:
         """Halve the per-pass token budget of `base_models` (a worker died running their requests: plans err on
         the safe side of measured peaks from now on); the new budget, or None when none had a plan."""
@@ -155,9 +172,17 @@ class PoolPlanner:
             shrunk = tokens
         return shrunk
 
-    def model_plans(self) -> list[m.ModelPlan]:
-        return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens)
-                for name, plan in self.plans.items() if plan is not None]
+    def model_plans(self, group: Group) -> list[m.ModelPlan]:
+        """How the workers of `group` hold its base models (a default plan for those not planned)."""
+        return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens) if plan is not None
+                else m.ModelPlan(name) for name in group.models for plan in [self.plans.get(name)]]
+
+
+def _serving(budgets: dict[str, int], plan_for: Callable[..., Plan]) -> dict[str, int]:
+    """The workers (id -> budget) a new model's plan is sized for: those that can hold it replicated; all of
+    them when none can, and tensor parallelism then splits it over them."""
+    replicated = fit_workers(budgets, partial(_replicate_problem, plan_for)).serving or tuple(budgets)
+    return {worker: budgets[worker] for worker in replicated}
 
 
 def _replicate_problem(plan_for: Callable[..., Plan], budget: int) -> str | None:

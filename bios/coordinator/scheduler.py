@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bios import ids
@@ -31,9 +31,11 @@ from .mailbox import (
     Committed,
     CycleEnded,
     Finished,
+    Formed,
+    GroupLayout,
     Layout,
+    Place,
     PlanDescriptions,
-    PoolLayout,
     Query,
     NotifyWaiting,
     QueueDepth,
@@ -64,6 +66,19 @@ class SchedulerConfig:
     keep_checkpoints: int = 2  # automatic checkpoints kept per run
 
 
+RECOVERED = -1  # the cycle id results recovered from a worker are recorded under
+
+
+@dataclass
+class CycleWork:
+    """What the scheduler keeps of one running cycle: its items' ops, the runs it took work from, and the
+    answers held until the cycle ends."""
+
+    ops: dict[str, Any]  # request id -> op
+    runs: set[str]  # model ids
+    answers: list[m.ItemDone] = field(default_factory=list)
+
+
 class Scheduler(Actor):
     def __init__(self, store: Store, catalog: Catalog, codec: Codec, push: Push, on_work: Callable[[], None],
                  config: SchedulerConfig | None = None, ledger: QuotaLedger | None = None,
@@ -82,14 +97,16 @@ class Scheduler(Actor):
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.samples: list[Queued] = []
-        self.running: dict[str, Any] = {}  # request id -> op, for the current cycle
-        # Answers are given when their cycle is over: by then the state that produced them is committed on every
-        # replica, recorded (its checksums) in the state dir, and in the automatic checkpoint if one was due.
-        self.answers: list[m.ItemDone] = []
+        # The cycles running now (one per group at most), by cycle id. Answers are given when their cycle is
+        # over: by then the state that produced them is committed on every replica, recorded (its checksums) in
+        # the state dir, and in the automatic checkpoint if one was due.
+        self.cycles: dict[int, CycleWork] = {}
+        self.committed: dict[str, float] = {}  # each adapter's checksum after its group's last commit
         self.base_infos: dict[str, t.BaseModelInfo] = {}
 
     async def started(self) -> None:
         """Carry on where the state dir says the last coordinator stopped."""
+        self.committed = dict(self.store.committed())
         restored = restore(self.store, self.codec, self.admission)
         self.runs, self.samplers, self.samples = restored.runs, restored.samplers, restored.samples
         self.autosave.steps, self.base_infos = restored.steps, restored.infos
@@ -98,7 +115,7 @@ class Scheduler(Actor):
         for base_model, lora in {run.base_model: run.lora for run in self.runs.values()}.items():
             same_base = sum(1 for run in self.runs.values() if run.base_model == base_model)
             try:
-                self.planner.adopt(self.planner.choose(base_model, lora, adapters=same_base - 1, live_runs=0))
+                self.planner.adopt(self.planner.choose(base_model, lora, adapters=same_base - 1))
             except BadRequestError as exc:
                 log.error("%s cannot be planned on this pool any more: %s", base_model, exc.message)
         if self.samples or any(run.runnable() for run in self.runs.values()):
@@ -108,7 +125,7 @@ class Scheduler(Actor):
         if isinstance(message, Submit):
             return await self._submit(message)
         if isinstance(message, SelectWork):
-            return self._select()
+            return self._select(message.cycle_id, message.models)
         if isinstance(message, m.SampleProgress):
             return await self.results.progress(message)
         if isinstance(message, Finished):
@@ -119,16 +136,25 @@ class Scheduler(Actor):
             return self._query(message.owner, message.body)
         if isinstance(message, Adapters):
             return [m.AdapterSpec(r.model_id, r.base_model, r.lora, r.optimizer)
-                    for r in self.runs.values() if r.status == "ready"]
-        if isinstance(message, Layout):
+                    for r in self.runs.values() if r.status == "ready" and r.base_model in message.models]
+        if isinstance(message, Place):
+            self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
             await self._plan_waiting()
-            return PoolLayout(self.planner.tp, tuple(self.planner.model_plans()), self.planner.parked())
+            return self.planner.replace(self._queue_depths())
+        if isinstance(message, Layout):
+            group = self.planner.placement.group(message.group_id)
+            if group is None:
+                return None
+            return GroupLayout(group.tp, tuple(self.planner.model_plans(group)), group.workers, group.models)
+        if isinstance(message, Formed):
+            self.planner.placement = self.planner.placement.formed(message.group_id, message.workers)
+            return None
         if isinstance(message, PlanDescriptions):
-            return dict(self.planner.notes)
+            return self.planner.descriptions()
         if isinstance(message, RunsLost):
             return await self._runs_lost(message.model_ids)
         if isinstance(message, Committed):
-            return self.store.set_committed(message.checksums)
+            return self._committed(message)
         if isinstance(message, Recovered):
             return await self._recovered(message.results)
         if isinstance(message, Watch):
@@ -138,8 +164,10 @@ class Scheduler(Actor):
         if isinstance(message, Stalled):
             return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
         if isinstance(message, NotifyWaiting):
-            waiting = [q.request_id for run in self.runs.values() for q in run.queue.values()]
-            for request_id in waiting + [q.request_id for q in self.samples]:
+            waiting = [q.request_id for run in self.runs.values() if run.base_model in message.models
+                       for q in run.queue.values()]
+            samples = [q.request_id for q in self.samples if self._samples_on(q.op.base_model, message.models)]
+            for request_id in waiting + samples:
                 await self.results.notify(request_id, message.message)
             return None
         if isinstance(message, QueueDepth):
@@ -219,9 +247,7 @@ class Scheduler(Actor):
         for base_model, lora in self.planner.take_waiting().items():
             runs = [r for r in self.runs.values() if r.base_model == base_model]
             try:
-                self.planner.adopt(self.planner.choose(
-                    base_model, lora, adapters=len(runs) - 1,
-                    live_runs=sum(1 for r in self.runs.values() if r.status == "ready")))
+                self.planner.adopt(self.planner.choose(base_model, lora, adapters=len(runs) - 1))
             except BadRequestError as exc:
                 for run in runs:
                     if run.status == "creating":
@@ -243,10 +269,18 @@ class Scheduler(Actor):
 
     # ------------------------------------------------------------------------------------ cycles
 
-    def _select(self) -> list[m.WorkItem]:
-        """Every run's next share and every sample; but a run whose last cycle stalled runs alone (`runs_alone`)."""
+    def _committed(self, committed: Committed) -> None:
+        """A group's adapters as last committed (none known under tensor parallelism): the others' stay."""
+        self.committed = {model_id: checksum for model_id, checksum in self.committed.items()
+                          if (run := self.runs.get(model_id)) is not None and run.base_model not in committed.models}
+        self.committed.update(committed.checksums)
+        self.store.set_committed(dict(self.committed))
+
+    def _select(self, cycle_id: int, models: tuple[str, ...]) -> list[m.WorkItem]:
+        """The next share of every run of the group's base models, and their samples; but a run whose last
+        cycle stalled runs alone (`runs_alone`)."""
         items: list[m.WorkItem] = []
-        live = [run for run in self.runs.values() if run.status != "lost"]
+        live = [run for run in self.runs.values() if run.status != "lost" and run.base_model in models]
         alone = next((run for run in live if run.runs_alone()), None)
         for run in [alone] if alone is not None else live:
             taken = run.take_cycle()
@@ -254,21 +288,34 @@ class Scheduler(Actor):
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
         if alone is None:
-            items.extend(m.WorkItem(q.request_id, q.op) for q in self.samples)
-            self.samples = []
-        self.running = {item.request_id: item.op for item in items}
-        self.results.timeline.taken(self.running)
+            mine = [q for q in self.samples if self._samples_on(q.op.base_model, models)]
+            items.extend(m.WorkItem(q.request_id, q.op) for q in mine)
+            self.samples = [q for q in self.samples if q not in mine]
+        work = CycleWork({item.request_id: item.op for item in items}, {run.model_id for run in live})
+        if items:
+            self.cycles[cycle_id] = work
+        self.results.timeline.taken(work.ops)
         if any(run.runnable() for run in self.runs.values()):
             self.on_work()
         return items
 
+    def _samples_on(self, base_model: str, models: tuple[str, ...]) -> bool:
+        """Whether a group of `models` samples `base_model`: its own, or any model no group holds (the first
+        group's workers load it for the sample)."""
+        if base_model in models:
+            return True
+        placement = self.planner.placement
+        return placement.group_of_model(base_model) is None and bool(placement.groups) and \
+            placement.groups[0].models == models
+
     async def _finished(self, done: m.ItemDone) -> None:
         request_id = done.request_id
-        op = self.running.get(request_id)
+        work = self.cycles.get(done.cycle_id)
+        op = work.ops.get(request_id) if work is not None else None
         result, error = done.result, done.error
         if isinstance(result, m.SavedState) and isinstance(op, m.SaveWeights):
             result, error = self.autosave.write(op, result, request_id, self._owner_of(op.model_id))
-        if ids.is_automatic(request_id):
+        if ids.is_automatic(request_id) or work is None:
             return
         run = self.runs.get(ids.target_of(request_id))
         if run is not None and isinstance(op, m.CreateModel):
@@ -278,14 +325,14 @@ class Scheduler(Actor):
                 run.info, run.status, run.lora_targets = result.info, "ready", result.lora_targets
                 self.base_infos[run.base_model] = result.info
                 self.store.set_run_status(run.model_id, "ready", dataclasses.asdict(result.info))
-        self.answers.append(m.ItemDone(done.cycle_id, request_id, result, error))
+        work.answers.append(m.ItemDone(done.cycle_id, request_id, result, error))
 
-    async def _answer(self) -> None:
-        """Log and push the answers of the cycle that just ended (in the order they were reported)."""
-        answers, self.answers = self.answers, []
-        for done in answers:
-            await self.results.deliver(done.request_id, self.running.get(done.request_id), done.result, done.error,
+    async def _answer(self, work: CycleWork) -> None:
+        """Log and push the answers of a cycle that ended (in the order they were reported)."""
+        for done in work.answers:
+            await self.results.deliver(done.request_id, work.ops.get(done.request_id), done.result, done.error,
                                        done.cycle_id)
+        work.answers.clear()
 
     async def _watch(self, watch: Watch) -> m.Ack:
         target = ids.target_of(watch.request_id)
@@ -304,6 +351,7 @@ class Scheduler(Actor):
 
     async def _recovered(self, results: tuple[m.ItemDone, ...]) -> None:
         """Record what a worker reports of a committed cycle this coordinator's log stops just before."""
+        work = self.cycles[RECOVERED] = CycleWork({}, set())
         for done in results:
             request = ids.RequestId.parse(done.request_id)
             if request.automatic:
@@ -321,17 +369,18 @@ class Scheduler(Actor):
                 del run.queue[seq_id]
             if isinstance(queued.op, m.OptimStep) and done.error is None:
                 self.autosave.steps[run.model_id] = self.autosave.steps.get(run.model_id, 0) + 1
-            self.running[done.request_id] = queued.op
+            work.ops[done.request_id] = queued.op
             log.info("recorded %s from a worker that committed it before the coordinator restarted",
                      done.request_id)
-            await self._finished(done)
-        await self._answer()
-        self.running.clear()
+            await self._finished(dataclasses.replace(done, cycle_id=RECOVERED))
+        await self._answer(work)
+        del self.cycles[RECOVERED]
 
     async def _cycle_ended(self, ended: CycleEnded) -> None:
-        await self._answer()
+        work = self.cycles.pop(ended.cycle_id, CycleWork({}, set()))
+        await self._answer(work)
         died = ended.aborted and ended.worker_died
-        for run in self.runs.values():
+        for run in (self.runs[model_id] for model_id in work.runs if model_id in self.runs):
             if not ended.aborted:
                 run.cycle_committed()
                 continue
@@ -346,9 +395,8 @@ class Scheduler(Actor):
         if died:
             await self._retry_smaller()
         if ended.aborted:
-            self.samples = [Queued(rid, op) for rid, op in self.running.items()
+            self.samples = [Queued(rid, op) for rid, op in work.ops.items()
                             if isinstance(op, m.Sample) and rid not in ended.finished] + self.samples
-        self.running = {}
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
 
@@ -388,7 +436,7 @@ class Scheduler(Actor):
     def _query(self, owner: str, body: Any) -> Any:
         if isinstance(body, m.GetInfo):
             run = run_for(self.runs, body.model_id, owner)
-            return run.describe(self.planner.notes.get(run.base_model))
+            return run.describe(self.planner.describe(run.base_model))
         if isinstance(body, m.CreateSamplingSession):
             return self._create_sampler(owner, body)
         if isinstance(body, m.GetSamplingSession):

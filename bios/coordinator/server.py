@@ -35,6 +35,8 @@ from bios.transport.sockets import Router, next_message_id
 
 from .clock import CycleClock
 from .cycles import CycleRunner
+from .groups import Groups
+from .roster import Roster
 from .membership import Membership
 from .metrics import CoordinatorMetrics
 from .audit import AuditLog
@@ -114,7 +116,6 @@ class Coordinator:
         self.usage = Usage(self.store)  # per-key accounting and the audit log start with the state dir
         self.audit = AuditLog(self.store.db)
         self.labels = Labels(self.store)
-        self.clock = CycleClock(config.cycle_s)
         self.membership = Membership(config.heartbeat_timeout_s)
         self.metrics = CoordinatorMetrics()
         self.sessions: dict[bytes, str] = {}
@@ -124,7 +125,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task[Any]] = []
         self._started = time.monotonic()
         self.scheduler: ActorRef
-        self.runner: CycleRunner
+        self.runner: Groups
 
     async def start(self) -> Addresses:
         if self.zap is not None:
@@ -138,25 +139,16 @@ class Coordinator:
         workers = self.workers.bind(f"{host}:{worker_port}")
         scheduling = SchedulerConfig(self.config.checkpoint_every, self.config.keep_checkpoints)
         self.scheduler = spawn(
-            lambda: Scheduler(self.store, self.catalog, self.codec, self._push, self.clock.work_queued, scheduling,
-                              self.ledger, self.metrics, workers=self.membership.alive),
+            lambda: Scheduler(self.store, self.catalog, self.codec, self._push, lambda: self.runner.work_queued(),
+                              scheduling, self.ledger, self.metrics, workers=self.membership.alive),
             name="scheduler",
             policy=Policy.RESUME,
         )
         queries = Queries(self.store, self.catalog, self._keys)
         self.front_door = FrontDoor(self.store, self.scheduler, queries, self.ledger, self.codec, self._capabilities,
                                     self._status)
-        self.runner = CycleRunner(
-            self.scheduler, self.clock, self.membership, self._send_to_worker,
-            load_state=lambda path: self.catalog.load(path, None),
-            latest_checkpoint=self._latest_checkpoint,
-            probe=self._probe,
-            join_timeout_s=self.config.heartbeat_timeout_s,
-            collective_timeout_s=self.config.collective_timeout_s,
-            metrics=self.metrics,
-            committed=self.store.committed(),
-            rejoin_grace_s=REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s,
-        )
+        self.runner = Groups(self.scheduler, self.membership, self._make_runner, self.config.cycle_s,
+                             self._send_to_worker)
         watchdog = Watchdog(self.membership, self.runner, self.scheduler, self.front_door,
                             heartbeat_timeout_s=self.config.heartbeat_timeout_s,
                             session_timeout_s=self.config.session_timeout_s,
@@ -165,13 +157,29 @@ class Coordinator:
         self._tasks = [
             loop.create_task(serve(self.clients, self._dispatch_client), name="clients"),
             loop.create_task(serve(self.workers, self._dispatch_worker), name="workers"),
-            loop.create_task(self.runner.run_forever(), name="cycles"),
+            loop.create_task(self.runner.run_forever(), name="groups"),
             loop.create_task(watchdog.watch_heartbeats(), name="heartbeats"),
             loop.create_task(watchdog.watch_progress(), name="progress"),
             loop.create_task(watchdog.watch_gaps(), name="gaps"),
         ]
         log.info("coordinator serving clients on %s and workers on %s (cycle_s=%s)", clients, workers, self.config.cycle_s)
         return Addresses(clients, workers)
+
+    def _make_runner(self, group_id: str, clock: CycleClock, roster: Roster, epoch: str) -> CycleRunner:
+        """The cycle runner of one group of workers (`bios.coordinator.groups`)."""
+        return CycleRunner(
+            group_id, self.scheduler, clock, self.membership, roster, self._send_to_worker,
+            load_state=lambda path: self.catalog.load(path, None),
+            latest_checkpoint=self._latest_checkpoint,
+            probe=self._probe,
+            join_timeout_s=self.config.heartbeat_timeout_s,
+            collective_timeout_s=self.config.collective_timeout_s,
+            metrics=self.metrics,
+            committed=self.store.committed(),
+            rejoin_grace_s=max(0.0, self._started + REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s
+                               - time.monotonic()),  # only the groups formed right after a restart wait
+            epoch=epoch,
+        )
 
     async def wait(self) -> None:
         """Run until a serving task fails (which is a bug: it is logged and re-raised)."""
@@ -285,17 +293,20 @@ class Coordinator:
 
     async def _status(self) -> m.ClusterStatus:
         return m.ClusterStatus(
-            cycles_run=self.clock.cycles_run,
+            cycles_run=self.runner.cycles_run,
             cycle_s=self.config.cycle_s,
             generation=self.membership.generation,
-            workers=self.membership.status(active=self.runner.holders, parked=self.runner.parked),
+            workers=self.membership.status(active=self.runner.holders, parked=self.runner.parked,
+                                           placed=self.runner.placed),
             queue_depth=await self.scheduler.ask(QueueDepth()),
             runs=len(self.store.list_runs()),
-            busy_s=self.clock.busy_s,
+            busy_s=self.runner.busy_s,
             uptime_s=time.monotonic() - self._started,
             phase_seconds=dict(self.runner.phase_seconds),
             plans=await self.scheduler.ask(PlanDescriptions()),
             state_dir=self.store.disk.space(),
+            groups=self.runner.group_status(),
+            placement_notes=list(self.runner.placement.reasons),
         )
 
     async def refresh_metrics(self) -> None:

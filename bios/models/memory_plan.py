@@ -181,8 +181,10 @@ def choose_plan(
     model_name: str | None = None,
     overhead_bytes: int | None = None,
     max_batch_tokens: int | None = None,
+    tp: int | None = None,
 ) -> Plan:
-    """The first plan that fits `budget_bytes` per worker, in order of preference (see the module docstring).
+    """The first plan that fits `budget_bytes` per worker, in order of preference (see the module docstring);
+    only plans of tensor-parallel size `tp` if given (a group's adapters are cut that way already).
 
     With `max_batch_tokens`, the chosen plan's per-pass budget then doubles from `batch_tokens` while the plan
     still fits, up to that many tokens: fewer, longer passes do the same work in fewer, larger matmuls (on an
@@ -196,7 +198,8 @@ def choose_plan(
     dtypes: tuple[Dtype, ...] = ("float32", "bfloat16") if allow_bf16 else ("float32",)
     tried: list[tuple[int, Dtype, bool, MemoryEstimate]] = []
     skipped: list[str] = []
-    for tp in (1, *TENSOR_PARALLEL_SIZES):
+    pinned = tp
+    for tp in (pinned,) if pinned else (1, *TENSOR_PARALLEL_SIZES):
         if tp > workers:
             skipped.append(f"TP={tp} needs {tp} workers, the pool has {workers}")
             break

@@ -92,6 +92,12 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
         if w.note:
             print(f"  {w.note}")
+    for group in status.groups:
+        formed = ", ".join(group.formed) or "none formed yet"
+        print(f"group {group.group_id}: {', '.join(group.models)} on {', '.join(group.workers) or 'no worker'} "
+              f"({group.replicas} replica(s) x {group.tp}; running on {formed})")
+    for note in status.placement_notes:
+        print(f"  placed: {note}")
     for base_model, plan in status.plans.items():
         print(f"plan {base_model}: {plan}")
     if status.state_dir is not None:

@@ -64,11 +64,14 @@ class ModelPool:
 
     def configure(self, tp: int, tp_rank: int, plans: list[m.ModelPlan]) -> None:
         """Hold base models as shard `tp_rank` of `tp` with these plans from now on. A base held otherwise is
-        dropped, with its adapters and samplers: the caller re-creates them (and receives their state)."""
+        dropped, with its adapters and samplers: the caller re-creates them (and receives their state). With
+        `plans`, a base none of them names is dropped too: the worker's group holds other models now."""
         self.tp, self.tp_rank = tp, tp_rank
         self.plans = {plan.base_model: plan for plan in plans}
-        for name in [name for name in self.bases if self._layouts[name] != self._layout(name)]:
-            log.info("dropping base model %s: it is now held as %s", name, self._layout(name))
+        for name in [name for name in self.bases if self._layouts[name] != self._layout(name)
+                     or (self.plans and name not in self.plans)]:
+            log.info("dropping base model %s: it is now held as %s", name,
+                     self._layout(name) if name in self.plans or not self.plans else "nothing (another group's)")
             del self.bases[name]
             del self._layouts[name]
             for table in (self.adapters, self.samplers):

@@ -1,0 +1,296 @@
+"""Which workers hold which base models: the cluster cut into groups, one rule in one place.
+
+A *group* is a set of workers that hold the same base models, with one tensor-parallel size: `replicas` copies
+of `tp` shard holders. Each group has its own generation, collective group and cycle loop
+(`bios.coordinator.groups`), so runs of different groups never wait for each other. A worker is in at most one
+group, and a group holds several base models only when workers are scarce and the *sum* of what its workers
+hold fits each of them (`fits`).
+
+`place` is pure: from the live workers' budgets, the base models in use (their memory plans and queued work) and
+today's placement, the next placement, with a reason for each change. It keeps what it can (a group keeps its
+workers, so nobody reloads and every adapter keeps a holder) and:
+
+- dissolves the groups whose base models no run uses any more, and drops dead workers;
+- gives each new base model a group of its own, of the plan's tensor-parallel size: from idle workers, else
+  from replicas other groups can spare (a donor keeps at least one replica, and so a holder of every shard),
+  else inside a group of the same size whose workers hold it too; else the model stays unplaced, with why;
+- hands idle workers to the groups, a whole replica at a time, the busiest group (queued work per replica)
+  first; a worker that can hold nothing waits (parked), with why.
+
+A group keeps its tensor-parallel size while it lives: its runs' adapters are cut that way (re-cutting them is
+not built), and a model's plan only chooses the size when its group is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bios.models.memory_plan import USABLE_FRACTION, GiB, Plan
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    """A base model in use, as placement weighs it."""
+
+    base_model: str
+    plan: Plan | None  # None: not planned (the coordinator cannot read its config): one worker a replica
+    demand: int = 0  # queued work (requests waiting), which spare replicas follow
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp if self.plan is not None else 1
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str  # its first base model's name: stable while the group lives
+    models: tuple[str, ...]
+    workers: tuple[str, ...]  # rank order of the last placement: holders first, newcomers after
+    tp: int
+
+    @property
+    def replicas(self) -> int:
+        return len(self.workers) // self.tp
+
+
+@dataclass(frozen=True)
+class Placement:
+    groups: tuple[Group, ...] = ()
+    parked: tuple[tuple[str, str], ...] = ()  # (worker id, why it holds nothing)
+    unplaced: tuple[tuple[str, str], ...] = ()  # (base model, why no group holds it)
+    reasons: tuple[str, ...] = ()  # what this placement changed, and why
+
+    def group_of_model(self, base_model: str) -> Group | None:
+        return next((g for g in self.groups if base_model in g.models), None)
+
+    def group_of_worker(self, worker_id: str) -> Group | None:
+        return next((g for g in self.groups if worker_id in g.workers), None)
+
+    def group(self, group_id: str) -> Group | None:
+        return next((g for g in self.groups if g.group_id == group_id), None)
+
+    def formed(self, group_id: str, ranked: Sequence[str]) -> Placement:
+        """This placement with `group_id`'s workers in the rank order its runner formed them (replica r is
+        ranks r*tp .. r*tp+tp-1, one holder of each shard), so spare replicas are taken whole."""
+        groups = tuple(dataclasses.replace(g, workers=(*[w for w in ranked if w in g.workers],
+                                                       *[w for w in g.workers if w not in ranked]))
+                       if g.group_id == group_id else g for g in self.groups)
+        return dataclasses.replace(self, groups=groups)
+
+    def layout(self) -> dict[str, tuple[str, ...]]:
+        """Group id -> its workers: what the cycle runners form (reasons and notes aside)."""
+        return {g.group_id: g.workers for g in self.groups}
+
+
+def needed_bytes(plans: Sequence[Plan | None]) -> int:
+    """What one worker needs to hold these base models' plans together: the runtime once, every model's weights
+    and adapters, and the largest single pass (passes of different models never run at once on a worker)."""
+    known = [plan.estimate for plan in plans if plan is not None]
+    if not known:
+        return 0
+    return (max(e.overhead for e in known) + sum(e.weights + e.adapters for e in known)
+            + max(e.activations + e.logits for e in known))
+
+
+def fits(budget: int, plans: Sequence[Plan | None]) -> bool:
+    return needed_bytes(plans) <= USABLE_FRACTION * budget
+
+
+@dataclass
+class _Group:
+    group_id: str
+    models: list[str]
+    workers: list[str]
+    tp: int
+
+    @property
+    def replicas(self) -> int:
+        return len(self.workers) // self.tp
+
+    def frozen(self) -> Group:
+        return Group(self.group_id, tuple(self.models), tuple(self.workers), self.tp)
+
+
+@dataclass
+class _Placing:
+    """The placement being built: groups, idle workers, and what changed."""
+
+    budgets: Mapping[str, int]
+    needs: dict[str, ModelNeed]
+    groups: list[_Group] = field(default_factory=list)
+    idle: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    affinity: Mapping[str, frozenset[str]] = field(default_factory=dict)  # worker -> base models it holds runs of
+
+    def idle_for(self, models: Sequence[str]) -> list[str]:
+        """The idle workers that can hold `models`, those already holding their runs' adapters first."""
+        able = [w for w in self.idle if self.holds(w, models)]
+        return sorted(able, key=lambda w: not (self.affinity.get(w, frozenset()) & set(models)))
+
+    def plans(self, models: Sequence[str]) -> list[Plan | None]:
+        return [self.needs[name].plan for name in models]
+
+    def holds(self, worker: str, models: Sequence[str]) -> bool:
+        return fits(self.budgets[worker], self.plans(models))
+
+    def demand(self, group: _Group) -> int:
+        return sum(self.needs[name].demand for name in group.models)
+
+
+def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Placement = Placement(),
+          affinity: Mapping[str, frozenset[str]] | None = None) -> Placement:
+    """The next placement of `needs` on the live workers (`budgets`: worker id -> bytes), starting from
+    `current` (see the module docstring). `affinity`: the base models whose adapters a worker already holds (it
+    kept them across a coordinator restart): a new group takes those workers first, so nothing is reloaded."""
+    state = _Placing(budgets, {need.base_model: need for need in needs}, affinity=affinity or {})
+    _keep(state, current)
+    placed = {name for group in state.groups for name in group.models}
+    unplaced: dict[str, str] = {}
+    for need in sorted((n for n in needs if n.base_model not in placed),
+                       key=lambda n: (-n.tp, -(n.plan.estimate.total if n.plan else 0), n.base_model)):
+        why = _place_model(state, need)
+        if why is not None:
+            unplaced[need.base_model] = why
+    for group in state.groups:
+        if len(group.workers) < group.tp:
+            _fill(state, group)
+    parked = _hand_out_idle(state)
+    return Placement(tuple(g.frozen() for g in state.groups), tuple(sorted(parked.items())),
+                     tuple(sorted(unplaced.items())), tuple(state.reasons))
+
+
+def _keep(state: _Placing, current: Placement) -> None:
+    """Today's groups, less the models no run uses and the workers gone; the rest of the workers are idle."""
+    for group in current.groups:
+        models = [name for name in group.models if name in state.needs]
+        if not models:
+            state.reasons.append(f"{group.group_id}'s group is dissolved: no run uses {', '.join(group.models)}")
+            continue
+        workers = [w for w in group.workers if w in state.budgets]
+        gone = [w for w in group.workers if w not in state.budgets]
+        if gone:
+            state.reasons.append(f"{', '.join(gone)} left {group.group_id}'s group")
+        if not workers:  # nobody holds its runs' state any more: it is placed anew, as its plan is now
+            continue
+        state.groups.append(_Group(group.group_id, models, workers, group.tp))
+    held = {w for g in state.groups for w in g.workers}
+    state.idle = sorted((w for w in state.budgets if w not in held), key=lambda w: (-state.budgets[w], w))
+
+
+def _place_model(state: _Placing, need: ModelNeed) -> str | None:
+    """Give `need` a group: its own (idle workers, then spare replicas), else a share of one; None when placed,
+    else why not."""
+    name, tp = need.base_model, need.tp
+    own = state.idle_for([name])[:tp]
+    if len(own) < tp:
+        own += _spare(state, [name], tp - len(own))
+    if len(own) >= tp:
+        for worker in own:
+            if worker in state.idle:
+                state.idle.remove(worker)
+        state.groups.append(_Group(name, [name], own, tp))
+        state.reasons.append(f"{name} gets a group of its own: {', '.join(own)}"
+                             + (f" (tensor-parallel over {tp})" if tp > 1 else ""))
+        return None
+    for group in sorted(state.groups, key=lambda g: (state.demand(g), g.group_id)):
+        if group.tp == tp and group.workers and all(state.holds(w, [*group.models, name]) for w in group.workers):
+            group.models.append(name)
+            state.reasons.append(f"{name} shares {group.group_id}'s group ({', '.join(group.workers)}): no "
+                                 f"{tp} worker(s) are free, and theirs hold both")
+            return None
+    holders = [w for w in state.budgets if state.holds(w, [name])]
+    if len(holders) < tp:
+        return (f"{name} needs {tp} worker(s) with {needed_bytes([need.plan]) / USABLE_FRACTION / GiB:.2f} GiB "
+                f"each; {len(holders)} such worker(s) are connected")
+    busy = "; ".join(f"{g.group_id} holds {', '.join(g.workers)} ({g.replicas} replica(s) of {g.tp})"
+                     for g in state.groups)
+    return (f"{name} needs {tp} worker(s) to itself, or a group of {tp} whose workers hold it too, and every "
+            f"worker that could hold it serves other live runs ({busy}); their adapters are never moved or re-cut "
+            "for another run")
+
+
+def _spare(state: _Placing, models: list[str], count: int) -> list[str]:
+    """Up to `count` workers that hold `models`, taken whole replicas at a time from the groups with the most
+    replicas (each keeps its first, so every shard keeps a holder), newest replicas first; none unless `count`
+    can be reached."""
+    offers: list[tuple[_Group, list[str]]] = []
+    found = 0
+    for group in sorted(state.groups, key=lambda g: (-g.replicas, state.demand(g), g.group_id)):
+        for r in range(group.replicas - 1, 0, -1):
+            if found >= count:
+                break
+            replica = group.workers[r * group.tp:(r + 1) * group.tp]
+            usable = sum(1 for w in replica if state.holds(w, models))
+            if usable:
+                offers.append((group, replica))
+                found += usable
+    if found < count:
+        return []
+    out: list[str] = []
+    for group, replica in offers:
+        for worker in replica:
+            group.workers.remove(worker)
+            if state.holds(worker, models) and len(out) < count:
+                out.append(worker)
+            else:
+                state.idle.append(worker)
+        state.reasons.append(f"{', '.join(replica)} leave {group.group_id}'s group ({group.replicas} replica(s) "
+                             f"left) for {', '.join(models)}")
+    return out
+
+
+def _fill(state: _Placing, group: _Group) -> None:
+    """A group short of one whole replica (a shard holder left): idle workers first, then spare replicas."""
+    short = group.tp - len(group.workers)
+    new = state.idle_for(group.models)[:short]
+    if len(new) < short:
+        new += _spare(state, group.models, short - len(new))
+    if len(new) >= short:
+        for worker in new:
+            if worker in state.idle:
+                state.idle.remove(worker)
+        group.workers.extend(new)
+        state.reasons.append(f"{', '.join(new)} join {group.group_id}'s group to complete a replica of {group.tp}")
+
+
+def _hand_out_idle(state: _Placing) -> dict[str, str]:
+    """Idle workers join groups a whole replica at a time, the busiest group per replica first; the rest wait,
+    each with why."""
+    while True:
+        candidates = []
+        for group in state.groups:
+            able = [w for w in state.idle if state.holds(w, group.models)]
+            if len(able) >= group.tp and len(group.workers) >= group.tp:
+                candidates.append(((-(state.demand(group) + 1) / (group.replicas + 1), group.replicas,
+                                    group.group_id), group, able[:group.tp]))
+        if not candidates:
+            break
+        _, group, joining = min(candidates, key=lambda c: c[0])
+        for worker in joining:
+            state.idle.remove(worker)
+        group.workers.extend(joining)
+        state.reasons.append(f"{', '.join(joining)} join {group.group_id}'s group as a replica "
+                             f"({state.demand(group)} request(s) queued for it)")
+    parked: dict[str, str] = {}
+    if not state.needs:
+        return parked  # nothing to hold yet: idle workers wait for the first run, not for room
+    serving = sum(len(g.workers) for g in state.groups)
+    served = f"; {serving} worker(s) with room serve it" if serving else "; no worker with room is connected"
+    for worker in state.idle:
+        gib = state.budgets[worker] / GiB
+        if not state.groups:
+            unplaced = "; ".join(f"{name} needs {needed_bytes([need.plan]) / USABLE_FRACTION / GiB:.2f} GiB per "
+                                 "worker" for name, need in state.needs.items())
+            parked[worker] = f"worker {worker} ({gib:.2f} GiB) waits: {unplaced or 'no run needs it'}{served}"
+            continue
+        holdable = [g for g in state.groups if state.holds(worker, g.models)]
+        if holdable:
+            parked[worker] = (f"worker {worker} ({gib:.2f} GiB) waits for another worker to form a replica of "
+                              f"{holdable[0].group_id}'s group (tensor-parallel over {holdable[0].tp})")
+        else:
+            needs = "; ".join(f"{g.group_id} needs {needed_bytes(state.plans(g.models)) / USABLE_FRACTION / GiB:.2f}"
+                              f" GiB per worker" for g in state.groups)
+            parked[worker] = f"worker {worker} ({gib:.2f} GiB) waits: {needs}{served}"
+    return parked

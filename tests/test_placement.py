@@ -1,0 +1,101 @@
+"""The placement rule (bios.coordinator.placement): pure, so each situation of the placement issue is a few
+lines: S then L, L then S, three models one per worker, a leave and a join with two live models."""
+
+from __future__ import annotations
+
+from bios.coordinator.placement import ModelNeed, Placement, fits, needed_bytes, place
+from bios.models.memory_plan import GiB, MemoryEstimate, Plan
+
+BUDGET = 4 * GiB
+FOUR = {f"w{i}": BUDGET for i in range(1, 5)}
+
+
+def plan(weights_gib: float, tp: int = 1, pass_gib: float = 0.2) -> Plan:
+    estimate = MemoryEstimate(int(weights_gib * GiB), int(0.05 * GiB), int(pass_gib * GiB), 0, int(0.4 * GiB))
+    return Plan(tp, 1, "float32", False, 4096, estimate, BUDGET)
+
+
+S = ModelNeed("S", plan(1.0))
+L = ModelNeed("L", plan(2.4, tp=2))  # its shard of 2
+
+
+def test_sum_of_models_counts_runtime_once_and_the_largest_pass():
+    a, b = plan(1.0, pass_gib=0.5), plan(1.0, pass_gib=0.2)
+    assert needed_bytes([a, b]) == int(0.4 * GiB) + 2 * (GiB + int(0.05 * GiB)) + int(0.5 * GiB)
+    assert fits(BUDGET, [a, b]) and not fits(BUDGET, [a, b, plan(1.5)])
+
+
+def test_small_model_first_then_large_one_takes_two_of_its_replicas():
+    first = place(FOUR, [S])
+    assert first.groups[0].workers == ("w1", "w2", "w3", "w4") and first.groups[0].tp == 1
+    second = place(FOUR, [S, L], first)
+    assert second.group_of_model("S").workers == ("w1", "w2")
+    assert second.group_of_model("L").workers == ("w4", "w3") and second.group_of_model("L").tp == 2
+    assert not second.unplaced and not second.parked
+    assert any("leave S's group" in why for why in second.reasons)
+
+
+def test_large_model_first_then_small_one_runs_unsplit_on_its_own_workers():
+    first = place(FOUR, [L])
+    assert first.group_of_model("L").replicas == 2
+    second = place(FOUR, [L, S], first)
+    assert second.group_of_model("L").workers == ("w1", "w2")
+    assert second.group_of_model("S").tp == 1 and set(second.group_of_model("S").workers) == {"w3", "w4"}
+
+
+def test_three_models_that_do_not_fit_together_get_a_worker_each():
+    needs = [ModelNeed(name, plan(1.2)) for name in ("A", "B", "C")]
+    assert not fits(BUDGET, [n.plan for n in needs])
+    placement = Placement()
+    for n in range(1, 4):
+        placement = place(FOUR, needs[:n], placement)
+    held = [g.workers for g in placement.groups]
+    assert sorted(w for ws in held for w in ws) == ["w1", "w2", "w3", "w4"]
+    assert all(len(set(ws) & set(other)) == 0 for ws in held for other in held if other is not ws)
+    assert not placement.unplaced
+
+
+def test_models_that_fit_together_share_a_worker_when_workers_are_scarce():
+    needs = [ModelNeed("A", plan(0.8)), ModelNeed("B", plan(0.8))]
+    placement = place({"w1": BUDGET}, needs[:1])
+    placement = place({"w1": BUDGET}, needs, placement)
+    assert placement.groups[0].models == ("A", "B") and placement.groups[0].workers == ("w1",)
+
+
+def test_a_model_blocked_by_live_runs_says_who_holds_the_workers():
+    first = place({"w1": BUDGET, "w2": BUDGET}, [S])
+    second = place({"w1": BUDGET, "w2": BUDGET}, [S, L], first)
+    (model, why), = second.unplaced
+    assert model == "L" and "S holds w1, w2" in why
+    assert second.group_of_model("S").workers == ("w1", "w2")  # nothing moved for a model that cannot go
+
+
+def test_a_leave_replaces_from_spares_and_a_join_goes_to_the_busiest_group():
+    needs = [ModelNeed("S", S.plan, demand=0), ModelNeed("L", L.plan, demand=40)]
+    both = place(FOUR, [S, L], place(FOUR, [S]))
+    three = {w: b for w, b in FOUR.items() if w != "w3"}  # w3 held a shard of L
+    after = place(three, needs, both)
+    assert after.group_of_model("L").workers == ("w4", "w2") and after.group_of_model("S").workers == ("w1",)
+    assert not after.parked  # nobody stands by
+    back = place({**three, "w5": BUDGET}, needs, after)
+    assert back.group_of_model("L").workers == ("w4", "w2") and back.group_of_model("S").workers == ("w1", "w5")
+
+
+def test_idle_workers_go_a_whole_replica_at_a_time_and_the_odd_one_says_why_it_waits():
+    placement = place({"w1": BUDGET, "w2": BUDGET, "w3": BUDGET}, [L])
+    assert placement.group_of_model("L").workers == ("w1", "w2")
+    (worker, why), = placement.parked
+    assert worker == "w3" and "form a replica of L's group" in why
+
+
+def test_a_worker_too_small_for_every_group_waits_with_the_sizes():
+    placement = place({"w1": BUDGET, "tiny": GiB // 2}, [S])
+    assert placement.group_of_model("S").workers == ("w1",)
+    assert dict(placement.parked)["tiny"].startswith("worker tiny (0.50 GiB) waits: S needs")
+
+
+def test_a_model_no_run_uses_frees_its_group():
+    both = place(FOUR, [S, L], place(FOUR, [S]))
+    after = place(FOUR, [S], both)
+    assert set(after.group_of_model("S").workers) == {"w1", "w2", "w3", "w4"}
+    assert any("dissolved" in why for why in after.reasons)
