@@ -72,7 +72,8 @@ class Client:
         raise AssertionError(f"never happened: {what}; last status: {status}")
 
     def wait_active(self, n: int) -> dict[str, Any]:
-        return self.wait_for(lambda s: sum(w["state"] == "active" for w in s["workers"]) >= n, f"{n} workers active")
+        return self.wait_for(lambda s: sum(w["state"] in ("active", "idle") for w in s["workers"]) >= n,
+                             f"{n} workers active or idle")
 
 
 class Cluster:
@@ -281,6 +282,11 @@ def test_a_worker_its_peers_cannot_reach_says_so_in_one_line(cluster):
     are and what to set, in one line, not a traceback."""
     for host in ("a", "b"):
         cluster.add_worker(host, env={"GLOO_SOCKET_IFNAME": "lo"})
+    client = cluster.client()
+    client.wait_active(2)
+    # A run gives the workers a group to form; its creation never finishes, so it is sent without waiting.
+    client.process.stdin.write(json.dumps({"cmd": "create", "base_model": BASE, "seed": SEED}) + "\n")
+    client.process.stdin.flush()
     deadline = time.monotonic() + 120
     while not any("could not form generation" in cluster.worker_log(i) for i in (0, 1)):
         assert time.monotonic() < deadline, "no worker reported the group that could not form"

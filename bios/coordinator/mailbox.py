@@ -81,7 +81,7 @@ class NotifyWaiting:
     each."""
 
     message: str
-    models: tuple[str, ...]
+    models: tuple[str, ...] | None = None  # None: every waiting request
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,11 @@ class Scheduler(Actor):
         if isinstance(message, Stalled):
             return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
         if isinstance(message, NotifyWaiting):
-            waiting = [q.request_id for run in self.runs.values() if run.base_model in message.models
+            models = message.models
+            waiting = [q.request_id for run in self.runs.values() if models is None or run.base_model in models
                        for q in run.queue.values()]
-            samples = [q.request_id for q in self.samples if self._samples_on(q.op.base_model, message.models)]
+            samples = [q.request_id for q in self.samples
+                       if models is None or self._samples_on(q.op.base_model, models)]
             for request_id in waiting + samples:
                 await self.results.notify(request_id, message.message)
             return None
