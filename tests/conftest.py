@@ -83,6 +83,16 @@ def train_steps(tc, batch, params, steps):
     return futures
 
 
+def fox_sampler_checkpoint(service, name: str, *, seed: int, steps: int) -> str:
+    """The path of a sampler checkpoint of a run trained `steps` steps on one sentence (the OpenAI endpoint's
+    tests sample it): its prompt "The quick brown" then continues the sentence."""
+    tc = service.create_lora_training_client(BASE, rank=4, seed=seed)
+    for _ in range(steps):
+        tc.forward_backward([text_datum("The quick brown fox jumps over the lazy dog.")])
+        tc.optim_step(types.AdamParams(learning_rate=5e-2))
+    return tc.save_weights_for_sampler(name).result(120).path
+
+
 def saved_adapter(service, tc):
     """The run's adapter tensors, through save_state and the REST download."""
     path = tc.save_state().result(120).path

@@ -272,3 +272,14 @@ def test_adapters_on_one_worker_share_one_copy_of_the_base_weights():
         assert {p.untyped_storage().data_ptr() for p in adapter.base.model.parameters()} == base_storage
         assert adapter.state.params.untyped_storage().data_ptr() not in base_storage
     assert len({a.state.params.untyped_storage().data_ptr() for a in adapters}) == 4  # but four adapters
+
+
+def test_a_worker_placed_in_another_group_drops_the_base_models_it_no_longer_holds():
+    """Reconfigure names the group's base models (their plans): a base model of the worker's former group goes,
+    with its adapters, so a worker holds only what its budget was placed for."""
+    pool = ModelPool(torch.device("cpu"))
+    created = pool.create(m.CreateModel("moved", 0, BASE, types.LoraConfig(rank=4, seed=1)))
+    pool.configure(1, 0, [m.ModelPlan(BASE)])
+    assert list(pool.bases) == [BASE] and created.model_id in pool.adapters
+    pool.configure(1, 0, [m.ModelPlan("some/other-model")])
+    assert pool.bases == {} and pool.adapters == {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import BASE, text_datum
+from conftest import BASE, fox_sampler_checkpoint
 
 import bios
 from bios import types as t
@@ -21,11 +21,7 @@ GREEDY = t.SamplingParams(max_tokens=12, temperature=0.0)
 def trained(cluster):
     """A sampler checkpoint of a run trained a few steps, and a native SamplingClient on it."""
     service = bios.ServiceClient(address=cluster.address)
-    tc = service.create_lora_training_client(BASE, rank=4, seed=21)
-    for _ in range(3):
-        tc.forward_backward([text_datum("The quick brown fox jumps over the lazy dog.")])
-        tc.optim_step(t.AdamParams(learning_rate=5e-2))
-    path = tc.save_weights_for_sampler("openai").result(120).path
+    path = fox_sampler_checkpoint(service, "openai", seed=21, steps=3)
     yield path, service.create_sampling_client(model_path=path), service
     service.close()
 

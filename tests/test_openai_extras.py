@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import BASE, text_datum
+from conftest import BASE, fox_sampler_checkpoint
 
 import bios
 from bios import types as t
@@ -26,11 +26,7 @@ CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "cont
 @pytest.fixture(scope="module")
 def trained(cluster):
     service = bios.ServiceClient(address=cluster.address)
-    tc = service.create_lora_training_client(BASE, rank=4, seed=22)
-    for _ in range(2):
-        tc.forward_backward([text_datum("The quick brown fox jumps over the lazy dog.")])
-        tc.optim_step(t.AdamParams(learning_rate=5e-2))
-    path = tc.save_weights_for_sampler("openai-extras").result(120).path
+    path = fox_sampler_checkpoint(service, "openai-extras", seed=22, steps=2)
     sampler = service.create_sampling_client(model_path=path)
     yield path, sampler, sampler.get_tokenizer()
     service.close()

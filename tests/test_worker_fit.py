@@ -35,7 +35,8 @@ LORA = types.LoraConfig(rank=8)
 
 
 def _worker(worker_id: str, gib: float) -> SimpleNamespace:
-    return SimpleNamespace(worker_id=worker_id, memory_bytes=int(gib * GiB), runtime_bytes=0, device="cpu")
+    return SimpleNamespace(worker_id=worker_id, memory_bytes=int(gib * GiB), runtime_bytes=0, device="cpu",
+                           holdings={})
 
 
 @pytest.fixture

@@ -2,10 +2,11 @@
 generation whenever its members or its layout change.
 
 Every member of the group is a replica: it holds every adapter of the group's base models and takes a
-token-balanced shard of every batch, and their gradients are summed before each optimizer step. A new generation (a join, a leave, a death, a failed
-collective) is formed between cycles: ranks are assigned, rank 0 is a worker that already holds the current
-state, and every member takes each adapter's state from rank 0 by broadcast. If no member holds state (the
-whole pool was lost) runs restore from their latest automatic checkpoint.
+token-balanced shard of every batch, and their gradients are summed before each optimizer step. A new
+generation (a join, a leave, a death, a failed collective) is formed between cycles: ranks are assigned, rank 0
+is a worker that already holds the current state, and every member takes each adapter's state from rank 0 by
+broadcast. If no member holds state (the whole group was lost) runs restore from their latest automatic
+checkpoint.
 
 A cycle hit by a failure is aborted: unfinished items go back to their queues and run again on the survivors.
 Whether a member is alive is the heartbeats' call: a collective may wait up to `collective_timeout_s` for a busier
@@ -34,7 +35,6 @@ import dataclasses
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,9 +92,9 @@ class _Forming:
 class CycleRunner:
     def __init__(self, group_id: str, scheduler: ActorRef, clock: CycleClock, membership: Membership,
                  roster: Roster, send: SendToWorker, load_state: LoadState, latest_checkpoint: LatestCheckpoint,
-                 probe: Probe, join_timeout_s: float, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                 probe: Probe, join_timeout_s: float, epoch: str, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
                  metrics: CoordinatorMetrics | None = None, committed: dict[str, float] | None = None,
-                 rejoin_grace_s: float = 0.0, epoch: str = "") -> None:
+                 rejoin_grace_s: float = 0.0) -> None:
         self.group_id = group_id
         self.scheduler = scheduler
         self.clock = clock
@@ -110,7 +110,7 @@ class CycleRunner:
         self.current: _Cycle | None = None
         self.forming: _Forming | None = None
         self.generation = -1
-        self.epoch = epoch or f"{uuid.uuid4().hex[:8]}/"  # generations restart at 1 with each coordinator incarnation
+        self.epoch = epoch  # the rendezvous keys of this coordinator's generations are its own
         self.ranked: list[Member] = []
         self.holders: set[str] = set()
         # Each adapter's checksum after the last cycle or generation that changed it (whole adapters only): a
@@ -367,9 +367,7 @@ class CycleRunner:
         """After a coordinator restart, wait (a little) for a worker that kept the group's state to register
         again, so a newcomer that registers first does not make its runs restore from disk; True after a wait."""
         left = self._rejoin_deadline - time.monotonic()
-        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters(layout.models))
-        mine = {spec.model_id for spec in adapters}
-        self.committed = {model_id: value for model_id, value in self.committed.items() if model_id in mine}
+        self._keep_committed(await self.scheduler.ask(Adapters(layout.models)))
         if left <= 0 or not self.committed or any(adoptable(mb, self.committed) is not None for mb in members):
             self._rejoin_deadline = 0.0
             return False
@@ -423,9 +421,7 @@ class CycleRunner:
         """No survivor holds the state, but a worker that registered again (after it was declared dead while
         alive, or after the coordinator restarted) may: if it holds every adapter as last committed, or one
         committed cycle further, it is the source instead of a checkpoint."""
-        mine = {spec.model_id for spec in adapters}
-        self.committed = {model_id: value for model_id, value in self.committed.items() if model_id in mine}
-        if mine - self.committed.keys():
+        if {spec.model_id for spec in adapters} - self._keep_committed(adapters).keys():
             return
         for member in members:
             recovered = adoptable(member, self.committed)
@@ -439,6 +435,12 @@ class CycleRunner:
                 self.committed = dict(member.holdings)
             self.holders = {member.worker_id}
             return
+
+    def _keep_committed(self, adapters: list[m.AdapterSpec]) -> dict[str, float]:
+        """Keep the checksums of this group's adapters only (the state dir's are every group's); returns them."""
+        mine = {spec.model_id for spec in adapters}
+        self.committed = {model_id: value for model_id, value in self.committed.items() if model_id in mine}
+        return self.committed
 
     async def _after_failed_formation(self, generation: int, failed: set[str]) -> None:
         """Members that cannot be reached are dead; one that keeps failing to join is dropped; then retry."""

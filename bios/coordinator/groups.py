@@ -14,7 +14,6 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from bios import messages as m
 from bios.actors.actor import ActorRef
@@ -131,8 +130,11 @@ class Groups:
             runner.worker_lost(member)
 
     def leaving(self, member: Member) -> None:
-        """A graceful leave: the group it serves lets it finish its cycle; a worker in no group goes at once."""
-        runner = next((r for r in self.runners.values() if member.worker_id in r.holders), None)
+        """A graceful leave: the group running a cycle with it (else the group it is placed in) lets it finish
+        that cycle; a worker in no group goes at once."""
+        group = self.placement.group_of_worker(member.worker_id)
+        running = (r for r in self.runners.values() if r.current is not None and member.worker_id in r.current.workers)
+        runner = next(running, self.runners.get(group.group_id) if group is not None else None)
         if runner is not None:
             runner.leaving(member)
             return
@@ -175,7 +177,7 @@ class Groups:
         """Each group as run: its base models, its workers (those in its generation), tensor-parallel size."""
         out = []
         for group in self.placement.groups:
-            runner: Any = self.runners.get(group.group_id)
+            runner = self.runners.get(group.group_id)
             formed = [mb.worker_id for mb in runner.ranked] if runner is not None else []
             out.append(m.GroupStatus(group.group_id, list(group.models), list(group.workers), group.tp,
                                      len(formed) // group.tp, formed))

@@ -90,13 +90,6 @@ class Membership:
     def alive(self) -> list[Member]:
         return [mb for mb in self.members.values() if mb.state == "ready"]
 
-    async def wait_for_alive(self) -> list[Member]:
-        while True:
-            members = self.alive()
-            if members:
-                return members
-            await self.changed_since(self.generation)
-
     async def changed_since(self, generation: int) -> None:
         while self.generation == generation:
             await self._changed.wait()

@@ -98,6 +98,11 @@ def fits(budget: int, plans: Sequence[Plan | None]) -> bool:
     return needed_bytes(plans) <= USABLE_FRACTION * budget
 
 
+def smallest_budget(plans: Sequence[Plan | None]) -> str:
+    """The budget a worker needs to hold these plans together, for messages ("1.26 GiB")."""
+    return f"{needed_bytes(plans) / USABLE_FRACTION / GiB:.2f} GiB"
+
+
 @dataclass
 class _Group:
     group_id: str
@@ -156,7 +161,8 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
     for group in state.groups:
         if len(group.workers) < group.tp:
             _fill(state, group)
-    parked = _hand_out_idle(state)
+    _hand_out_idle(state)
+    parked = _parked(state)
     return Placement(tuple(g.frozen() for g in state.groups), tuple(sorted(parked.items())),
                      tuple(sorted(unplaced.items())), tuple(state.reasons))
 
@@ -202,7 +208,7 @@ def _place_model(state: _Placing, need: ModelNeed) -> str | None:
             return None
     holders = [w for w in state.budgets if state.holds(w, [name])]
     if len(holders) < tp:
-        return (f"{name} needs {tp} worker(s) with {needed_bytes([need.plan]) / USABLE_FRACTION / GiB:.2f} GiB "
+        return (f"{name} needs {tp} worker(s) with {smallest_budget([need.plan])} "
                 f"each; {len(holders)} such worker(s) are connected")
     busy = "; ".join(f"{g.group_id} holds {', '.join(g.workers)} ({g.replicas} replica(s) of {g.tp})"
                      for g in state.groups)
@@ -255,9 +261,8 @@ def _fill(state: _Placing, group: _Group) -> None:
         state.reasons.append(f"{', '.join(new)} join {group.group_id}'s group to complete a replica of {group.tp}")
 
 
-def _hand_out_idle(state: _Placing) -> dict[str, str]:
-    """Idle workers join groups a whole replica at a time, the busiest group per replica first; the rest wait,
-    each with why."""
+def _hand_out_idle(state: _Placing) -> None:
+    """Idle workers join groups a whole replica at a time, the busiest group per replica first."""
     while True:
         candidates = []
         for group in state.groups:
@@ -273,24 +278,24 @@ def _hand_out_idle(state: _Placing) -> dict[str, str]:
         group.workers.extend(joining)
         state.reasons.append(f"{', '.join(joining)} join {group.group_id}'s group as a replica "
                              f"({state.demand(group)} request(s) queued for it)")
-    parked: dict[str, str] = {}
+
+
+def _parked(state: _Placing) -> dict[str, str]:
+    """Why each worker left idle waits (none while no run needs a worker)."""
     if not state.needs:
-        return parked  # nothing to hold yet: idle workers wait for the first run, not for room
+        return {}
     serving = sum(len(g.workers) for g in state.groups)
     served = f"; {serving} worker(s) with room serve it" if serving else "; no worker with room is connected"
+    parked: dict[str, str] = {}
     for worker in state.idle:
-        gib = state.budgets[worker] / GiB
-        if not state.groups:
-            unplaced = "; ".join(f"{name} needs {needed_bytes([need.plan]) / USABLE_FRACTION / GiB:.2f} GiB per "
-                                 "worker" for name, need in state.needs.items())
-            parked[worker] = f"worker {worker} ({gib:.2f} GiB) waits: {unplaced or 'no run needs it'}{served}"
-            continue
+        waits = f"worker {worker} ({state.budgets[worker] / GiB:.2f} GiB) waits"
         holdable = [g for g in state.groups if state.holds(worker, g.models)]
         if holdable:
-            parked[worker] = (f"worker {worker} ({gib:.2f} GiB) waits for another worker to form a replica of "
-                              f"{holdable[0].group_id}'s group (tensor-parallel over {holdable[0].tp})")
-        else:
-            needs = "; ".join(f"{g.group_id} needs {needed_bytes(state.plans(g.models)) / USABLE_FRACTION / GiB:.2f}"
-                              f" GiB per worker" for g in state.groups)
-            parked[worker] = f"worker {worker} ({gib:.2f} GiB) waits: {needs}{served}"
+            parked[worker] = (f"{waits} for another worker to form a replica of {holdable[0].group_id}'s group "
+                              f"(tensor-parallel over {holdable[0].tp})")
+            continue
+        sized = ([(g.group_id, state.plans(g.models)) for g in state.groups] if state.groups
+                 else [(name, [need.plan]) for name, need in state.needs.items()])
+        needs = "; ".join(f"{name} needs {smallest_budget(plans)} per worker" for name, plans in sized)
+        parked[worker] = f"{waits}: {needs}{served}"
     return parked

@@ -49,7 +49,8 @@ class PoolPlanner:
     def __init__(self, workers: Workers) -> None:
         self.workers = workers
         self.plans: dict[str, Plan | None] = {}
-        self.notes: dict[str, str] = {}  # base model -> the plan and estimate, or why there is none
+        self.notes: dict[str, str] = {}  # base model -> its plan as first chosen, or why there is none
+        self.halved: set[str] = set()  # base models whose passes were halved after a worker died
         self.waiting: dict[str, t.LoraConfig] = {}  # base models whose runs came before any worker
         self.placement = Placement()
         self.base_of: dict[str, str] = {}  # run (model id) -> its base model, kept by the scheduler
@@ -72,7 +73,7 @@ class PoolPlanner:
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
             max_batch_tokens=MAX_TOKENS_PER_PASS,
         )
-        budgets = {worker.worker_id: worker.memory_bytes for worker in workers}
+        budgets = self._budgets()
         group = self.placement.group_of_model(base_model)
         if group is not None and group.workers:  # its runs' adapters are cut group.tp ways already
             plan = plan_for(min((budgets[w] for w in group.workers if w in budgets), default=max(budgets.values())),
@@ -98,7 +99,7 @@ class PoolPlanner:
 
     def _affinity(self) -> dict[str, frozenset[str]]:
         """Worker -> the base models of the adapters it reported holding when it registered."""
-        return {worker.worker_id: frozenset(self.base_of[model_id] for model_id in getattr(worker, "holdings", {})
+        return {worker.worker_id: frozenset(self.base_of[model_id] for model_id in worker.holdings
                                             if model_id in self.base_of) for worker in self.workers()}
 
     def replace(self, demand: dict[str, int]) -> Placement:
@@ -127,6 +128,7 @@ class PoolPlanner:
         """No run uses `base_model` any more: drop its plan and its line in `bios status`."""
         self.plans.pop(base_model, None)
         self.notes.pop(base_model, None)
+        self.halved.discard(base_model)
         self.waiting.pop(base_model, None)
 
     def take_waiting(self) -> dict[str, t.LoraConfig]:
@@ -145,13 +147,12 @@ class PoolPlanner:
         return self.placement.parked
 
     def describe(self, base_model: str) -> str | None:
-        """The plan as run: its group's replicas and workers, not the ones it was first sized for."""
-        note, plan = self.notes.get(base_model), self.plans.get(base_model)
-        group = self.placement.group_of_model(base_model)
-        if group is None or plan is None:
-            return note
-        shown = dataclasses.replace(plan, replicas=group.replicas).describe()
-        return shown + (note.removeprefix(plan.describe()) if note and note.startswith(plan.describe()) else "")
+        """The plan as run: its group's replicas, not the ones it was first sized for."""
+        plan, group = self.plans.get(base_model), self.placement.group_of_model(base_model)
+        if plan is None:
+            return self.notes.get(base_model)
+        shown = dataclasses.replace(plan, replicas=group.replicas) if group is not None else plan
+        return shown.describe() + (" (halved after a worker died)" if base_model in self.halved else "")
 
     def descriptions(self) -> dict[str, str]:
         return {name: self.describe(name) or "" for name in self.notes}
@@ -166,7 +167,7 @@ class PoolPlanner:
                 continue
             tokens = max(MIN_TOKENS_PER_PASS, plan.batch_tokens // 2)
             self.plans[base_model] = dataclasses.replace(plan, batch_tokens=tokens)
-            self.notes[base_model] = self.plans[base_model].describe() + " (halved after a worker died)"
+            self.halved.add(base_model)
             log.warning("%s: passes of at most %d tokens from now on (a worker died running its requests)",
                         base_model, tokens)
             shrunk = tokens
@@ -174,8 +175,12 @@ class PoolPlanner:
 
     def model_plans(self, group: Group) -> list[m.ModelPlan]:
         """How the workers of `group` hold its base models (a default plan for those not planned)."""
-        return [m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens) if plan is not None
-                else m.ModelPlan(name) for name in group.models for plan in [self.plans.get(name)]]
+        plans = []
+        for name in group.models:
+            plan = self.plans.get(name)
+            plans.append(m.ModelPlan(name) if plan is None else
+                         m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens))
+        return plans
 
 
 def _serving(budgets: dict[str, int], plan_for: Callable[..., Plan]) -> dict[str, int]:

@@ -68,10 +68,13 @@ class ModelPool:
         `plans`, a base none of them names is dropped too: the worker's group holds other models now."""
         self.tp, self.tp_rank = tp, tp_rank
         self.plans = {plan.base_model: plan for plan in plans}
-        for name in [name for name in self.bases if self._layouts[name] != self._layout(name)
-                     or (self.plans and name not in self.plans)]:
-            log.info("dropping base model %s: it is now held as %s", name,
-                     self._layout(name) if name in self.plans or not self.plans else "nothing (another group's)")
+        for name in list(self.bases):
+            if self.plans and name not in self.plans:
+                log.info("dropping base model %s: this worker's group holds other models now", name)
+            elif self._layouts[name] != self._layout(name):
+                log.info("dropping base model %s: it is now held as %s", name, self._layout(name))
+            else:
+                continue
             del self.bases[name]
             del self._layouts[name]
             for table in (self.adapters, self.samplers):
