@@ -19,7 +19,8 @@ from bios import messages as m
 from bios.actors.actor import ActorRef
 
 from .clock import CycleClock
-from .cycles import CycleRunner, SendToWorker
+from .cycles import CycleRunner
+from .generations import SendToWorker
 from .mailbox import NotifyWaiting, Place
 from .membership import Member, Membership
 from .placement import Placement
@@ -147,7 +148,8 @@ class Groups:
     def holders(self) -> set[str]:
         """The workers in their group's current generation."""
         placed = self.placed
-        return {mb.worker_id for runner in self.runners.values() for mb in runner.ranked if mb.worker_id in placed}
+        return {mb.worker_id for runner in self.runners.values() for mb in runner.generations.ranked
+                if mb.worker_id in placed}
 
     @property
     def placed(self) -> set[str]:
@@ -178,7 +180,7 @@ class Groups:
         out = []
         for group in self.placement.groups:
             runner = self.runners.get(group.group_id)
-            formed = [mb.worker_id for mb in runner.ranked] if runner is not None else []
+            formed = [mb.worker_id for mb in runner.generations.ranked] if runner is not None else []
             out.append(m.GroupStatus(group.group_id, list(group.models), list(group.workers), group.tp,
                                      len(formed) // group.tp, formed))
         return out

@@ -35,6 +35,7 @@ from bios.transport.sockets import Router, next_message_id
 
 from .clock import CycleClock
 from .cycles import CycleRunner
+from .generations import GenerationFormer
 from .groups import Groups
 from .roster import Roster
 from .membership import Membership
@@ -166,20 +167,19 @@ class Coordinator:
         return Addresses(clients, workers)
 
     def _make_runner(self, group_id: str, clock: CycleClock, roster: Roster, epoch: str) -> CycleRunner:
-        """The cycle runner of one group of workers (`bios.coordinator.groups`)."""
-        return CycleRunner(
-            group_id, self.scheduler, clock, self.membership, roster, self._send_to_worker,
-            load_state=lambda path: self.catalog.load(path, None),
-            latest_checkpoint=self._latest_checkpoint,
-            probe=self._probe,
+        """The cycle runner of one group of workers (`bios.coordinator.groups`) and its generations."""
+        generations = GenerationFormer(
+            group_id, self.scheduler, self.membership, roster, self._send_to_worker, self._load_state,
+            self._latest_checkpoint, self._probe,
             join_timeout_s=self.config.heartbeat_timeout_s,
+            epoch=epoch,
             collective_timeout_s=self.config.collective_timeout_s,
-            metrics=self.metrics,
             committed=self.store.committed(),
             rejoin_grace_s=max(0.0, self._started + REJOIN_GRACE_HEARTBEATS * self.config.heartbeat_timeout_s
                                - time.monotonic()),  # only the groups formed right after a restart wait
-            epoch=epoch,
         )
+        return CycleRunner(group_id, self.scheduler, clock, self.membership, roster, generations,
+                           self._send_to_worker, self._load_state, self._probe, self.metrics)
 
     async def wait(self) -> None:
         """Run until a serving task fails (which is a bug: it is logged and re-raised)."""
@@ -401,6 +401,10 @@ class Coordinator:
                 return await future
         finally:
             self._worker_asks.pop(env_id, None)
+
+    def _load_state(self, path: str) -> m.CheckpointState:
+        """A checkpoint's tensors, for the workers (sampler weights, restores): any owner's, by its path."""
+        return self.catalog.load(path, None)
 
     def _latest_checkpoint(self, run_id: str) -> str | None:
         record = self.catalog.latest_automatic(run_id)
