@@ -99,3 +99,27 @@ def test_a_model_no_run_uses_frees_its_group():
     after = place(FOUR, [S], both)
     assert set(after.group_of_model("S").workers) == {"w1", "w2", "w3", "w4"}
     assert any("dissolved" in why for why in after.reasons)
+
+
+def test_a_replica_moves_toward_the_work_only_past_the_hysteresis_ratio():
+    a, b = ModelNeed("A", plan(0.5)), ModelNeed("B", plan(0.5))
+    both = place(FOUR, [a, b], place(FOUR, [a]))
+    assert [g.replicas for g in both.groups] == [3, 1]
+    idle = [ModelNeed("A", a.plan), ModelNeed("B", b.plan)]  # no work anywhere: nothing moves
+    assert place(FOUR, idle, both, rebalance=True).layout() == both.layout()
+    even = [ModelNeed("A", a.plan, demand=3.0), ModelNeed("B", b.plan, demand=1.9)]  # 1.0 vs 1.9 per replica
+    assert place(FOUR, even, both, rebalance=True).layout() == both.layout()
+    busy = [ModelNeed("A", a.plan, demand=3.0), ModelNeed("B", b.plan, demand=2.0)]  # 1.0 vs 2.0: moves one
+    moved = place(FOUR, busy, both, rebalance=True)
+    assert moved.rebalanced and [g.replicas for g in moved.groups] == [2, 2]
+    assert any("moves from A's group to B's" in why for why in moved.reasons)
+    assert not place(FOUR, busy, both).rebalanced  # only when asked (the planner spaces moves out)
+    alone = [ModelNeed("A", a.plan, demand=0.0), ModelNeed("B", b.plan, demand=9.0)]
+    last = place(FOUR, alone, place(FOUR, alone, moved, rebalance=True), rebalance=True)
+    assert [g.replicas for g in last.groups] == [1, 3]  # A keeps one replica whatever the work elsewhere
+
+
+def test_split_groups_are_not_rebalanced():
+    needs = [ModelNeed("L", L.plan, demand=0.0), ModelNeed("S", S.plan, demand=100.0)]
+    first = place(FOUR, needs, place(FOUR, needs[:1]))
+    assert place(FOUR, needs, first, rebalance=True).layout() == first.layout()

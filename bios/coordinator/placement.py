@@ -36,7 +36,7 @@ class ModelNeed:
 
     base_model: str
     plan: Plan | None  # None: not planned (the coordinator cannot read its config): one worker a replica
-    demand: int = 0  # queued work (requests waiting), which spare replicas follow
+    demand: float = 0.0  # its recent and queued work (tokens x its size: only ratios count), which replicas follow
 
     @property
     def tp(self) -> int:
@@ -61,6 +61,7 @@ class Placement:
     parked: tuple[tuple[str, str], ...] = ()  # (worker id, why it holds nothing)
     unplaced: tuple[tuple[str, str], ...] = ()  # (base model, why no group holds it)
     reasons: tuple[str, ...] = ()  # what this placement changed, and why
+    rebalanced: bool = False  # a replica moved to follow the work (callers space such moves out)
 
     def group_of_model(self, base_model: str) -> Group | None:
         return next((g for g in self.groups if base_model in g.models), None)
@@ -82,6 +83,9 @@ class Placement:
     def layout(self) -> dict[str, tuple[str, ...]]:
         """Group id -> its workers: what the cycle runners form (reasons and notes aside)."""
         return {g.group_id: g.workers for g in self.groups}
+
+
+REBALANCE_RATIO = 2.0  # a replica moves only toward a group with at least this much more work per replica
 
 
 def needed_bytes(plans: Sequence[Plan | None]) -> int:
@@ -140,15 +144,17 @@ class _Placing:
     def holds(self, worker: str, models: Sequence[str]) -> bool:
         return fits(self.budgets[worker], self.plans(models))
 
-    def demand(self, group: _Group) -> int:
+    def demand(self, group: _Group) -> float:
         return sum(self.needs[name].demand for name in group.models)
 
 
 def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Placement = Placement(),
-          affinity: Mapping[str, frozenset[str]] | None = None) -> Placement:
+          affinity: Mapping[str, frozenset[str]] | None = None, rebalance: bool = False) -> Placement:
     """The next placement of `needs` on the live workers (`budgets`: worker id -> bytes), starting from
     `current` (see the module docstring). `affinity`: the base models whose adapters a worker already holds (it
-    kept them across a coordinator restart): a new group takes those workers first, so nothing is reloaded."""
+    kept them across a coordinator restart): a new group takes those workers first, so nothing is reloaded.
+    `rebalance`: also move one replica from the group with the least work per replica to the one with the
+    most, when it has at least REBALANCE_RATIO times as much (hysteresis: groups do not thrash)."""
     state = _Placing(budgets, {need.base_model: need for need in needs}, affinity=affinity or {})
     _keep(state, current)
     placed = {name for group in state.groups for name in group.models}
@@ -162,9 +168,10 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
         if len(group.workers) < group.tp:
             _fill(state, group)
     _hand_out_idle(state)
+    moved = rebalance and _rebalance(state)
     parked = _parked(state)
     return Placement(tuple(g.frozen() for g in state.groups), tuple(sorted(parked.items())),
-                     tuple(sorted(unplaced.items())), tuple(state.reasons))
+                     tuple(sorted(unplaced.items())), tuple(state.reasons), moved)
 
 
 def _keep(state: _Placing, current: Placement) -> None:
@@ -277,7 +284,33 @@ def _hand_out_idle(state: _Placing) -> None:
             state.idle.remove(worker)
         group.workers.extend(joining)
         state.reasons.append(f"{', '.join(joining)} join {group.group_id}'s group as a replica "
-                             f"({state.demand(group)} request(s) queued for it)")
+                             f"(its work: {_share(state, group)} of the cluster's)")
+
+
+def _share(state: _Placing, group: _Group) -> str:
+    total = sum(state.demand(g) for g in state.groups)
+    return f"{state.demand(group) / total:.0%}" if total else "none"
+
+
+def _rebalance(state: _Placing) -> bool:
+    """Move one replica toward the work (whole-adapter groups only: any replica holds everything); True if moved."""
+    movable = [g for g in state.groups if g.tp == 1 and g.workers]
+    load = {g.group_id: state.demand(g) / g.replicas for g in movable}
+    for receiver in sorted(movable, key=lambda g: -load[g.group_id]):
+        for donor in sorted(movable, key=lambda g: load[g.group_id]):
+            if (donor is receiver or donor.replicas < 2 or not load[receiver.group_id]
+                    or load[receiver.group_id] < REBALANCE_RATIO * load[donor.group_id]):
+                continue
+            worker = next((w for w in reversed(donor.workers) if state.holds(w, receiver.models)), None)
+            if worker is None:
+                continue
+            donor.workers.remove(worker)
+            receiver.workers.append(worker)
+            state.reasons.append(f"{worker} moves from {donor.group_id}'s group to {receiver.group_id}'s, which "
+                                 f"has {_share(state, receiver)} of the cluster's work on {receiver.replicas - 1} "
+                                 f"replica(s) (the other {_share(state, donor)} on {donor.replicas + 1})")
+            return True
+    return False
 
 
 def _parked(state: _Placing) -> dict[str, str]:

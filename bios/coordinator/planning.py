@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +36,10 @@ PLAN_TOKENS_PER_PASS = 4096
 MAX_TOKENS_PER_PASS = 16384
 MIN_TOKENS_PER_PASS = 256
 UNPLANNED = "replicate (not planned: the coordinator cannot read its config.json)"
+# Replicas follow the work of the last DEMAND_WINDOW_S (tokens a model's cycles ran, plus what its queues hold),
+# and a replica moves between groups at most once every MOVE_INTERVAL_S.
+DEMAND_WINDOW_S = 60.0
+MOVE_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class PoolPlanner:
         self.waiting: dict[str, t.LoraConfig] = {}  # base models whose runs came before any worker
         self.placement = Placement()
         self.base_of: dict[str, str] = {}  # run (model id) -> its base model, kept by the scheduler
+        self._ran: deque[tuple[float, str, int]] = deque()  # (when, base model, tokens) of recent cycles
+        self._moved_at = float("-inf")
 
     def choose(self, base_model: str, lora: t.LoraConfig, *, adapters: int) -> PlanChoice:
         """The plan of `base_model` with one adapter more, and where it runs; BadRequestError when it fits no
@@ -90,7 +98,8 @@ class PoolPlanner:
             raise BadRequestError(why, field="base_model")
         return placement
 
-    def _needs(self, extra: dict[str, Plan | None] | None = None, demand: dict[str, int] | None = None) -> list[ModelNeed]:
+    def _needs(self, extra: dict[str, Plan | None] | None = None,
+               demand: dict[str, float] | None = None) -> list[ModelNeed]:
         plans = {**{name: plan for name, plan in self.plans.items() if name not in self.waiting}, **(extra or {})}
         return [ModelNeed(name, plan, (demand or {}).get(name, 0)) for name, plan in plans.items()]
 
@@ -102,10 +111,29 @@ class PoolPlanner:
         return {worker.worker_id: frozenset(self.base_of[model_id] for model_id in worker.holdings
                                             if model_id in self.base_of) for worker in self.workers()}
 
-    def replace(self, demand: dict[str, int]) -> Placement:
-        """Place the base models anew on the live workers (after a join, a leave, a new or a finished model);
-        `demand`: queued requests per base model, which spare replicas follow."""
-        placement = place(self._budgets(), self._needs(demand=demand), self.placement, self._affinity())
+    def ran(self, tokens: dict[str, int]) -> None:
+        """The tokens a cycle put through each base model: the recent work replicas follow."""
+        now = time.monotonic()
+        self._ran.extend((now, base_model, count) for base_model, count in tokens.items() if count)
+        while self._ran and self._ran[0][0] < now - DEMAND_WINDOW_S:
+            self._ran.popleft()
+
+    def _demand(self, queued: dict[str, int]) -> dict[str, float]:
+        """Each base model's recent and queued tokens, times its weight bytes (a token's cost grows with them)."""
+        tokens = dict(queued)
+        for _, base_model, count in self._ran:
+            tokens[base_model] = tokens.get(base_model, 0) + count
+        return {name: count * (plan.estimate.weights if (plan := self.plans.get(name)) is not None else 1)
+                for name, count in tokens.items()}
+
+    def replace(self, queued: dict[str, int]) -> Placement:
+        """Place the base models anew on the live workers (after a join, a leave, a new or a finished model, or
+        as the work moves); `queued`: tokens waiting per base model."""
+        now = time.monotonic()
+        placement = place(self._budgets(), self._needs(demand=self._demand(queued)), self.placement,
+                          self._affinity(), rebalance=now - self._moved_at >= MOVE_INTERVAL_S)
+        if placement.rebalanced:
+            self._moved_at = now
         if placement.layout() != self.placement.layout():
             for why in placement.reasons:
                 log.info("placement: %s", why)

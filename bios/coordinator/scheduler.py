@@ -49,7 +49,7 @@ from .mailbox import (
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
 from .disk import is_disk_full
-from .metrics import CoordinatorMetrics
+from .metrics import CoordinatorMetrics, tokens_of
 from .planning import PoolPlanner, Workers
 from .recovery import restore
 from .retries import killed_twice, stalled_once, stalled_twice
@@ -140,7 +140,7 @@ class Scheduler(Actor):
         if isinstance(message, Place):
             self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
             await self._plan_waiting()
-            return self.planner.replace(self._queue_depths())
+            return self.planner.replace(self._queued_tokens())
         if isinstance(message, Layout):
             group = self.planner.placement.group(message.group_id)
             if group is None:
@@ -177,6 +177,14 @@ class Scheduler(Actor):
                 return self._queue_depths()
             return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
         raise TypeError(f"scheduler got unexpected {type(message).__name__}")
+
+    def _queued_tokens(self) -> dict[str, int]:
+        """Tokens waiting in the training queues, per base model."""
+        tokens: dict[str, int] = {}
+        for run in self.runs.values():
+            tokens[run.base_model] = tokens.get(run.base_model, 0) + sum(tokens_of(q.op, None)
+                                                                         for q in run.queue.values())
+        return tokens
 
     def _queue_depths(self) -> dict[str, int]:
         """Waiting requests per base-model pool (training queues and samples)."""
@@ -382,6 +390,13 @@ class Scheduler(Actor):
         work = self.cycles.pop(ended.cycle_id, CycleWork({}, set()))
         await self._answer(work)
         died = ended.aborted and ended.worker_died
+        if not ended.aborted:
+            ran: dict[str, int] = {}
+            for op in work.ops.values():
+                run = self.runs.get(getattr(op, "model_id", ""))
+                if run is not None:
+                    ran[run.base_model] = ran.get(run.base_model, 0) + tokens_of(op, None)
+            self.planner.ran(ran)
         for run in (self.runs[model_id] for model_id in work.runs if model_id in self.runs):
             if not ended.aborted:
                 run.cycle_committed()
