@@ -201,3 +201,19 @@ def test_an_oversized_message_is_dropped_and_the_coordinator_serves_on(capped):
     ctx.term()
     assert capped.clients["bob"].cluster_status().workers
     assert capped.clients["carol"].create_rest_client().list_training_runs().result().cursor.total_count == 0
+
+
+async def test_a_refused_request_whose_size_is_unknown_is_not_counted_as_work(tmp_path):
+    """Placement weighs each model's queued tokens; a refused request keeps its seq_id's place in the queue but
+    is no work, and an image without expected_tokens has no length to count (it once failed the placement)."""
+    store = Store(tmp_path)
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), m.make_codec(),
+                          _no_push, lambda: None)
+    store.add_session("s", "a")
+    await scheduler.receive(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
+    image = types.ModelInput(chunks=[types.ImageChunk(data=b"not a png", format="png")])
+    bad = types.Datum(image, {"target_tokens": [1], "weights": [1.0]})
+    with pytest.raises(BadRequestError):
+        await scheduler.receive(Submit(b"a", "a", m.ForwardBackward("s:train:0", 1, [bad], "cross_entropy"), [b"x"]))
+    assert scheduler._queued_tokens() == {BASE: 0}
+    store.close()

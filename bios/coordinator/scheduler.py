@@ -179,11 +179,11 @@ class Scheduler(Actor):
         raise TypeError(f"scheduler got unexpected {type(message).__name__}")
 
     def _queued_tokens(self) -> dict[str, int]:
-        """Tokens waiting in the training queues, per base model."""
+        """Tokens waiting in the training queues, per base model (a refused request holds a place, not work)."""
         tokens: dict[str, int] = {}
         for run in self.runs.values():
             tokens[run.base_model] = tokens.get(run.base_model, 0) + sum(tokens_of(q.op, None)
-                                                                         for q in run.queue.values())
+                                                                         for q in run.queue.values() if not q.rejected)
         return tokens
 
     def _queue_depths(self) -> dict[str, int]:
