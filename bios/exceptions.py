@@ -1,6 +1,8 @@
-"""Errors a Bios user can catch. Each one crosses the wire by class name (`ErrorInfo.type`)."""
+"""Errors a Bios user can catch. Each one crosses the wire as a `RemoteError` naming its class (`.type`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class BiosAPIError(Exception):
@@ -85,3 +87,28 @@ ERROR_TYPES: dict[str, type[BiosAPIError]] = {
         ReconnectRequired,
     )
 }
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """An error as it crosses the wire (a handler's answer, a request's outcome): the exception's class name, with
+    what a user needs to act on it. `ERROR_TYPES[type]` is the class the receiving side raises again."""
+
+    type: str
+    message: str
+    field: str | None = None
+    retry_after: float | None = None
+    request_id: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RemoteError:
+        category = getattr(exc, "category", None)
+        name = type(exc).__name__ if category is not None else "InternalServerError"
+        message = str(exc) if category is not None else f"{type(exc).__name__}: {exc}"
+        return cls(
+            type=name,
+            message=message,
+            field=getattr(exc, "field", None),
+            retry_after=getattr(exc, "retry_after", None),
+            request_id=getattr(exc, "request_id", None),
+        )

@@ -9,8 +9,12 @@ Ids are deterministic so a client knows its request's id before sending it, and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bios.exceptions import BadRequestError
+
+if TYPE_CHECKING:
+    from bios.messages import Request
 
 _KINDS = ("train", "sample")
 _AUTO = "auto-"
@@ -73,6 +77,12 @@ class RequestId:
 
 def request_id(target: str, seq: int) -> str:
     return str(RequestId(target, seq))
+
+
+def request_id_of(request: Request) -> str:
+    """The id of a request a client submits: request `seq` of its `target` (a `CreateModel` is request 0 of the
+    run it creates, a `Sample` a request of its sampling session)."""
+    return request_id(request.target, request.seq)
 
 
 def automatic_request_id(run: str, step: int) -> str:

@@ -1,4 +1,4 @@
-"""The actor runtime: one message at a time, replies and errors to the asker, supervision by policy, and
+"""The actor runtime: method calls one at a time, replies and errors to the asker, supervision by policy, and
 actors across processes through a real ROUTER/DEALER pair."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from bios.actors.remote import RemoteCallError, RemoteRef, serve
 from bios.exceptions import BadRequestError
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import Dealer, Router, next_message_id
+from bios.wire import make_codec
 
 T = TypeVar("T")
 
@@ -28,7 +29,7 @@ async def within(awaitable: Awaitable[T], seconds: float = 10.0) -> T:
 
 
 class Counter(Actor):
-    """Counts `"incr"`; fails on `"boom"`; records its lifecycle in a shared log."""
+    """Counts `incr` calls; `boom` fails; records its lifecycle in a shared log."""
 
     instances = 0
 
@@ -44,14 +45,16 @@ class Counter(Actor):
     async def stopped(self) -> None:
         self.log.append(f"stopped {self.number}")
 
-    async def receive(self, message: Any) -> Any:
-        if message == "boom":
-            raise ValueError(f"boom at {self.count}")
-        if message == "bad":
-            raise BadRequestError("seq_id must increase", field="seq_id")
+    async def incr(self) -> int:
         self.count += 1
-        self.log.append(f"{message} {self.count}")
+        self.log.append(f"incr {self.count}")
         return self.count
+
+    def boom(self) -> None:
+        raise ValueError(f"boom at {self.count}")
+
+    def bad(self) -> None:
+        raise BadRequestError("seq_id must increase", field="seq_id")
 
 
 @pytest.fixture
@@ -60,26 +63,26 @@ def log() -> list[str]:
     return []
 
 
-async def test_messages_are_processed_one_at_a_time_in_order() -> None:
+async def test_calls_are_processed_one_at_a_time_in_order() -> None:
     class Slow(Actor):
         def __init__(self) -> None:
             self.trace: list[tuple[str, int]] = []
             self.inside = 0
 
-        async def receive(self, message: int) -> int:
+        async def double(self, message: int) -> int:
             self.inside += 1
-            assert self.inside == 1, "two messages inside receive at once"
+            assert self.inside == 1, "two calls inside the actor at once"
             self.trace.append(("start", message))
             for _ in range(3):
-                await asyncio.sleep(0)  # yield: a second message must still wait its turn
+                await asyncio.sleep(0)  # yield: a second call must still wait its turn
             self.trace.append(("end", message))
             self.inside -= 1
             return message * 2
 
     ref = spawn(Slow, name="slow")
     for i in range(5):
-        ref.tell(i)
-    replies = await within(asyncio.gather(*(ref.ask(i) for i in range(5, 10))))
+        ref.tell(Slow.double, i)
+    replies = await within(asyncio.gather(*(ref.ask(Slow.double, i) for i in range(5, 10))))
     assert replies == [10, 12, 14, 16, 18]
     assert ref.actor.trace == [(edge, i) for i in range(10) for edge in ("start", "end")]
     await ref.stop()
@@ -87,8 +90,8 @@ async def test_messages_are_processed_one_at_a_time_in_order() -> None:
 
 async def test_ask_returns_the_value_and_ask_future_keeps_call_order(log: list[str]) -> None:
     ref = spawn(lambda: Counter(log), name="counter")
-    futures = [ref.ask_future("incr") for _ in range(3)]
-    assert await within(ref.ask("incr")) == 4
+    futures = [ref.ask_future(Counter.incr) for _ in range(3)]
+    assert await within(ref.ask(Counter.incr)) == 4
     assert [f.result() for f in futures] == [1, 2, 3]
     await ref.stop()
 
@@ -97,10 +100,10 @@ async def test_a_handler_error_reaches_the_asker_and_the_actor_resumes_with_its_
     failures: list[Failure] = []
     ref = spawn(lambda: Counter(log), name="counter", on_failure=failures.append)
     first = ref.actor
-    assert await within(ref.ask("incr")) == 1
+    assert await within(ref.ask(Counter.incr)) == 1
     with pytest.raises(ValueError, match="boom at 1"):
-        await within(ref.ask("boom"))
-    assert await within(ref.ask("incr")) == 2
+        await within(ref.ask(Counter.boom))
+    assert await within(ref.ask(Counter.incr)) == 2
     assert ref.actor is first and ref.running
     assert [(f.actor, type(f.error), f.action) for f in failures] == [("counter", ValueError, Policy.RESUME)]
     assert log[:1] == ["started 1"] and "stopped 1" not in log
@@ -111,10 +114,10 @@ async def test_restart_builds_a_fresh_actor_from_the_factory(log: list[str]) -> 
     failures: list[Failure] = []
     ref = spawn(lambda: Counter(log), name="counter", policy=Policy.RESTART, on_failure=failures.append)
     for _ in range(3):
-        ref.tell("incr")
+        ref.tell(Counter.incr)
     with pytest.raises(ValueError, match="boom at 3"):
-        await within(ref.ask("boom"))
-    assert await within(ref.ask("incr")) == 1  # fresh state
+        await within(ref.ask(Counter.boom))
+    assert await within(ref.ask(Counter.incr)) == 1  # fresh state
     assert ref.actor.number == 2
     assert log == ["started 1", "incr 1", "incr 2", "incr 3", "stopped 1", "started 2", "incr 1"]
     assert len(failures) == 1 and failures[0].action is Policy.RESTART and str(failures[0].error) == "boom at 3"
@@ -125,16 +128,16 @@ async def test_restart_builds_a_fresh_actor_from_the_factory(log: list[str]) -> 
 async def test_stop_policy_fails_queued_and_later_asks(log: list[str]) -> None:
     failures: list[Failure] = []
     ref = spawn(lambda: Counter(log), name="counter", policy=Policy.STOP, on_failure=failures.append)
-    crash = ref.ask_future("boom")
-    queued = ref.ask_future("incr")  # behind the failing message
+    crash = ref.ask_future(Counter.boom)
+    queued = ref.ask_future(Counter.incr)  # behind the failing message
     with pytest.raises(ValueError):
         await within(crash)
     with pytest.raises(ActorStopped):
         await within(queued)
     with pytest.raises(ActorStopped):
-        await ref.ask("incr")
+        await ref.ask(Counter.incr)
     with pytest.raises(ActorStopped):
-        ref.tell("incr")
+        ref.tell(Counter.incr)
     assert not ref.running
     assert log == ["started 1", "stopped 1"]
     assert [f.action for f in failures] == [Policy.STOP]
@@ -145,7 +148,7 @@ async def test_supervisor_is_told_of_expected_errors_too(log: list[str]) -> None
     failures: list[Failure] = []
     ref = spawn(lambda: Counter(log), name="counter", on_failure=failures.append)
     with pytest.raises(BadRequestError) as info:
-        await within(ref.ask("bad"))
+        await within(ref.ask(Counter.bad))
     assert info.value.field == "seq_id"
     assert failures == [Failure("counter", info.value, Policy.RESUME)]
     await ref.stop()
@@ -153,30 +156,30 @@ async def test_supervisor_is_told_of_expected_errors_too(log: list[str]) -> None
 
 async def test_stop_processes_what_is_queued_first(log: list[str]) -> None:
     ref = spawn(lambda: Counter(log), name="counter")
-    futures = [ref.ask_future("incr") for _ in range(3)]
-    ref.tell("incr")
+    futures = [ref.ask_future(Counter.incr) for _ in range(3)]
+    ref.tell(Counter.incr)
     await within(ref.stop())
     assert [f.result() for f in futures] == [1, 2, 3]
     assert log == ["started 1", "incr 1", "incr 2", "incr 3", "incr 4", "stopped 1"]
     assert not ref.running
     with pytest.raises(ActorStopped):
-        await ref.ask("incr")
+        await ref.ask(Counter.incr)
 
 
 async def test_ask_timeout_leaves_the_actor_serving() -> None:
     release = asyncio.Event()
 
     class Gate(Actor):
-        async def receive(self, message: str) -> str:
+        async def echo(self, message: str) -> str:
             if message == "wait":
                 await release.wait()
             return message
 
     ref = spawn(Gate, name="gate")
     with pytest.raises(TimeoutError):
-        await ref.ask("wait", timeout=0.05)  # the event is only set below: this cannot finish in time
+        await ref.ask(Gate.echo, "wait", timeout=0.05)  # the event is only set below: this cannot finish in time
     release.set()
-    assert await within(ref.ask("next")) == "next"
+    assert await within(ref.ask(Gate.echo, "next")) == "next"
     await ref.stop()
 
 
@@ -191,17 +194,17 @@ async def test_a_failing_start_stops_the_actor_instead_of_hanging_its_askers(pol
             if starts == (1 if policy is Policy.RESUME else 2):  # the first start, or the restart
                 raise RuntimeError("cannot load the model")
 
-        async def receive(self, message: str) -> str:
+        def fail(self, message: str) -> str:
             raise ValueError(message)
 
     failures: list[Failure] = []
     ref = spawn(Fragile, name="fragile", policy=policy, on_failure=failures.append)
-    asks = [ref.ask_future("x"), ref.ask_future("y")]
+    asks = [ref.ask_future(Fragile.fail, "x"), ref.ask_future(Fragile.fail, "y")]
     outcomes = await within(asyncio.gather(*asks, return_exceptions=True))
     assert type(outcomes[-1]) is ActorStopped
     assert failures[-1].action is Policy.STOP and "cannot load the model" in str(failures[-1].error)
     with pytest.raises(ActorStopped):
-        await ref.ask("z")
+        await ref.ask(Fragile.fail, "z")
 
 
 async def test_an_unstarted_ref_stops_at_once(log: list[str]) -> None:
@@ -209,7 +212,7 @@ async def test_an_unstarted_ref_stops_at_once(log: list[str]) -> None:
     assert not ref.running
     await ref.stop()
     with pytest.raises(ActorStopped):
-        ref.tell("incr")
+        ref.tell(Counter.incr)
 
 
 # ------------------------------------------------------------------------------------------- remote refs
@@ -226,7 +229,7 @@ class Service(Actor):
     def __init__(self) -> None:
         self.told: list[m.Shutdown] = []
 
-    async def receive(self, message: Any) -> Any:
+    async def handle(self, message: Any) -> Any:
         if isinstance(message, m.Ping):
             if message.payload == -1:
                 raise BadRequestError("payload must be positive", field="payload")
@@ -246,7 +249,7 @@ class Remote:
 
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.codec = m.make_codec()
+        self.codec = make_codec()
         self.router = Router(self.ctx, self.codec)
         self.router.bind("tcp://127.0.0.1:0")
         self.service = spawn(Service, name="service")
@@ -257,9 +260,9 @@ class Remote:
     def _dispatch(self, peer: bytes, env: Envelope, frames: list[Any]) -> Any:
         self.peers.append(peer)
         if isinstance(env.body, m.Shutdown):  # a tell: no reply
-            self.service.tell(env.body)
+            self.service.tell(Service.handle, env.body)
             return None
-        return self.service.ask_future(env.body)
+        return self.service.ask_future(Service.handle, env.body)
 
     def client(self, codec: Codec | None = None) -> RemoteRef:
         dealer = Dealer(self.ctx, codec or self.codec)
@@ -322,7 +325,7 @@ async def test_a_reply_the_server_cannot_encode_still_answers_the_asker(remote: 
 
 
 async def test_a_message_the_server_cannot_decode_fails_the_right_ask(remote: Remote) -> None:
-    client_codec = m.make_codec()
+    client_codec = make_codec()
     client_codec.register(Unregistered)  # known here, unknown to the server
     client = remote.client(client_codec)
     try:

@@ -14,7 +14,7 @@ import pytest
 
 import bios
 from bios import exceptions
-from bios.sdk.up_record import write_record
+from bios.cli.up_record import write_record
 from bios.security.keys import KeyStore
 
 
@@ -132,9 +132,9 @@ def test_logs_prints_the_tail(tmp_path):
 
 
 @pytest.mark.parametrize("command", [
-    "from bios.cli import main; main(['models', 'list'])",
+    "from bios.cli.main import main; main(['models', 'list'])",
     "from bios.worker.main import main; main(['--help'])",
-    "from bios.cli import main; main(['up', '--help'])",
+    "from bios.cli.main import main; main(['up', '--help'])",
 ])
 def test_listing_and_help_do_not_import_torch(command):
     check = f"import sys\ntry:\n    {command}\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules"

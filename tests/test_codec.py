@@ -22,7 +22,8 @@ from hypothesis.extra import numpy as hnp
 from bios import images, model_input
 from bios import messages as m
 from bios import types as t
-from bios.actors.remote import RemoteError
+from bios.exceptions import RemoteError
+from bios.messages import client, queries, worker
 from bios.transport.codec import (
     INLINE_TENSOR_MAX,
     WIRE_VERSION,
@@ -32,8 +33,9 @@ from bios.transport.codec import (
     Limits,
     TransportError,
 )
+from bios.wire import make_codec
 
-CODEC = m.make_codec()
+CODEC = make_codec()
 
 FUZZ = settings(
     deadline=None,
@@ -52,7 +54,8 @@ def _dataclasses_of(module: pytypes.ModuleType) -> list[type]:
 
 
 WIRE_TYPES: list[type] = [*_dataclasses_of(t), *_dataclasses_of(model_input), *_dataclasses_of(images),
-                          *_dataclasses_of(m), RemoteError, TransportError]
+                          *_dataclasses_of(client), *_dataclasses_of(queries), *_dataclasses_of(worker), RemoteError,
+                          TransportError]
 
 
 def _round_trip(body: Any, codec: Codec = CODEC, *, env_id: int = 7, reply_to: int | None = None) -> Envelope:
@@ -495,7 +498,7 @@ def test_unreferenced_extra_frame_is_rejected() -> None:
 
 
 def test_limits_on_frames_and_sizes() -> None:
-    codec = m.make_codec(Limits(max_frames=3, max_message_bytes=200_000, max_header_bytes=1024, max_container_len=50))
+    codec = make_codec(Limits(max_frames=3, max_message_bytes=200_000, max_header_bytes=1024, max_container_len=50))
     arrays = [np.zeros(INLINE_TENSOR_MAX // 4, np.float32) for _ in range(3)]
     frames = [bytes(f) for f in codec.encode(Envelope(1, m.ItemDone(cycle_id=1, request_id="r", result=arrays)))]
     assert "frames exceed" in str(_decode_error(frames, codec))

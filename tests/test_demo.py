@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bios.demo.cli import DEFAULT, QUICK
+from bios.cli.demo import DEFAULT, QUICK
 from bios.demo.report import print_report, write_loss_plot, write_summary
 from bios.demo.run import DemoResult, DemoSettings, Evaluation, TrainingLog, batches, learning_rate
 from bios.demo.tasks import TASKS, ChatFormat, Example, is_correct, load_task, task_from_dict

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bios.cli import build_parser
+from bios.cli.main import build_parser
 from bios.coordinator.main import parse_args as coordinator_args
 from bios.models.registry import model_map, resolve_model_dir
 from bios.worker.main import parse_args as worker_args

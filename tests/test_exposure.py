@@ -26,10 +26,11 @@ import torch
 
 import bios
 from bios import messages as m
-from bios.cli import main as bios_cli
-from bios.coordinator.mailbox import NotifyWaiting, Stalled
+from bios.cli.main import main as bios_cli
+from bios.coordinator.scheduler import Scheduler
 from bios.coordinator.membership import Membership
-from bios.coordinator.server import Coordinator, CoordinatorConfig
+from bios.coordinator.config import CoordinatorConfig
+from bios.coordinator.server import Coordinator
 from bios.coordinator.watchdog import NO_WORKER, NO_WORKER_YET, Watchdog
 from bios.exceptions import AuthenticationError
 from bios.gateway.http_io import identify
@@ -198,8 +199,7 @@ async def test_identify_tells_the_admin_a_key_and_the_worker_token_apart(tmp_pat
         with pytest.raises(AuthenticationError, match="admits workers only"):
             keys.is_admin(token)
     finally:
-        coordinator.clients.close()
-        coordinator.workers.close()
+        coordinator.close_sockets()
         coordinator.store.close()
         coordinator.keys.close()
         coordinator.ctx.term()
@@ -255,10 +255,10 @@ class _Scheduler:
     def __init__(self) -> None:
         self.told: list[str] = []
 
-    async def ask(self, message):
-        if isinstance(message, NotifyWaiting):
-            self.told.append(message.message)
-        return [] if isinstance(message, Stalled) else 1  # one request waits
+    async def ask(self, method, *args):
+        if method is Scheduler.notify_waiting:
+            self.told.append(args[0])
+        return [] if method is Scheduler.stalled else 1  # one request waits
 
 
 class _FrontDoor:

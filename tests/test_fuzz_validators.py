@@ -35,6 +35,7 @@ from bios.transport.codec import DecodeError, Envelope
 from bios import spec
 from bios.worker import losses
 from bios.worker.adapter import validate_lora_config
+from bios.wire import make_codec
 
 EXAMPLES = 400
 PER_EXAMPLE = 25
@@ -46,7 +47,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 SEEDS = st.integers(0, 2**64 - 1)
-CODEC = m.make_codec()
+CODEC = make_codec()
 LEDGER = QuotaLedger(Quotas(max_tokens_per_request=1024))
 INFO = t.BaseModelInfo(name="fuzz-llama", local_dir="", arch="llama", vocab_size=256, max_context_length=64,
                        hidden_size=16, num_layers=1, num_parameters=1, eos_token_id=2)

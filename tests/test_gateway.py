@@ -22,8 +22,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 import bios
 from bios import messages as bm
 from bios import types as bt
-from bios.actors.remote import RemoteError
-from bios.exceptions import RateLimitError
+from bios.exceptions import RateLimitError, RemoteError
 from bios.gateway import json_wire, proto
 from bios.coordinator.watchdog import NO_WORKER
 from bios.gateway.futures import NOTICE_FRESH_S, Promises, json_reply

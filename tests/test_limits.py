@@ -10,11 +10,13 @@ import zmq
 from conftest import BASE, text_datum
 
 import bios
+from bios import ids
 from bios import messages as m
 from bios import types
 from bios.coordinator.catalog import Catalog
 from bios.coordinator.checkpoints import DirectoryCheckpointStore
-from bios.coordinator.scheduler import Scheduler, SelectWork, Submit
+from bios.coordinator.runs import queued_tokens
+from bios.coordinator.scheduler import Scheduler, Submit
 from bios.coordinator.store import Store
 from bios.exceptions import BadRequestError, RateLimitError
 from bios.sdk import connection
@@ -22,6 +24,7 @@ from bios.security.keys import ApiKey, KeyStore
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Envelope
 from bios.transport.sockets import next_message_id
+from bios.wire import make_codec
 
 BATCH = [text_datum("tiny")]
 QUOTAS = {
@@ -81,22 +84,22 @@ def test_quotas_come_from_the_environment(monkeypatch):
 async def test_a_runs_next_request_gets_in_even_when_later_ones_fill_the_cap(tmp_path):
     """Requests 2 and 3 were sent after 1; if 2 got in while 1 was refused, 1 must not stay out behind it."""
     store = Store(tmp_path)
-    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), m.make_codec(),
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), make_codec(),
                           _no_push, lambda: None, ledger=QuotaLedger(Quotas(max_queued_per_key=2)))
     store.add_session("s", "a")
-    await scheduler.receive(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
-    await scheduler.receive(SelectWork(1, (BASE,)))  # the run is being created: its next request is seq_id 1
+    await scheduler.submit(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
+    scheduler.runs["s:train:0"].take_cycle()  # the run is being created: its next request is seq_id 1
 
     def forward_backward(seq_id: int) -> Submit:
         return Submit(b"a", "a", m.ForwardBackward("s:train:0", seq_id, BATCH, "cross_entropy"), [b"x"])
 
-    await scheduler.receive(forward_backward(2))  # 2 places taken: the creation and seq_id 2
+    await scheduler.submit(forward_backward(2))  # 2 places taken: the creation and seq_id 2
     with pytest.raises(RateLimitError):
-        await scheduler.receive(forward_backward(3))
-    assert (await scheduler.receive(forward_backward(1))).request_id == "s:train:0#1"  # over the cap, by design
+        await scheduler.submit(forward_backward(3))
+    assert (await scheduler.submit(forward_backward(1))).request_id == "s:train:0#1"  # over the cap, by design
     assert scheduler.ledger.queued["a"] == 3
     with pytest.raises(RateLimitError):  # ...and only the next request is let through
-        await scheduler.receive(forward_backward(3))
+        await scheduler.submit(forward_backward(3))
     store.close()
 
 
@@ -130,8 +133,8 @@ def capped(tmp_path_factory):
 
 def _forward_backward(client: bios.ServiceClient, seq_id: int, data=BATCH):
     """Submit straight to run 0 of the client's session, which need not exist on a worker yet."""
-    model_id = f"{client.session_id}:train:0"
-    return client._conn.submit(m.ForwardBackward(model_id, seq_id, data, "cross_entropy"), f"{model_id}#{seq_id}")
+    op = m.ForwardBackward(ids.run_id(client.session_id, 0), seq_id, data, "cross_entropy")
+    return client._conn.submit(op, ids.request_id_of(op))
 
 
 def test_full_queues_refuse_with_retry_after_then_accept_the_same_request(capped, monkeypatch):
@@ -194,7 +197,7 @@ def test_an_oversized_message_is_dropped_and_the_coordinator_serves_on(capped):
     sock.curve_publickey, sock.curve_secretkey = security.public_key, security.secret_key
     sock.curve_serverkey = security.server_public_key
     sock.connect(capped.cluster.address)
-    header = bytes(m.make_codec().encode(Envelope(next_message_id(), m.Ping()))[0])
+    header = bytes(make_codec().encode(Envelope(next_message_id(), m.Ping()))[0])
     sock.send_multipart([header, bytes(2 * 1024 * 1024)])  # twice the client message limit of this coordinator
     assert sock.poll(1000) == 0  # no answer: the transport dropped it before decoding anything
     sock.close(linger=0)
@@ -207,13 +210,13 @@ async def test_a_refused_request_whose_size_is_unknown_is_not_counted_as_work(tm
     """Placement weighs each model's queued tokens; a refused request keeps its seq_id's place in the queue but
     is no work, and an image without expected_tokens has no length to count (it once failed the placement)."""
     store = Store(tmp_path)
-    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), m.make_codec(),
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), make_codec(),
                           _no_push, lambda: None)
     store.add_session("s", "a")
-    await scheduler.receive(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
+    await scheduler.submit(Submit(b"a", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
     image = types.ModelInput(chunks=[types.ImageChunk(data=b"not a png", format="png")])
     bad = types.Datum(image, {"target_tokens": [1], "weights": [1.0]})
     with pytest.raises(BadRequestError):
-        await scheduler.receive(Submit(b"a", "a", m.ForwardBackward("s:train:0", 1, [bad], "cross_entropy"), [b"x"]))
-    assert scheduler._queued_tokens() == {BASE: 0}
+        await scheduler.submit(Submit(b"a", "a", m.ForwardBackward("s:train:0", 1, [bad], "cross_entropy"), [b"x"]))
+    assert queued_tokens(scheduler.runs.values()) == {BASE: 0}
     store.close()

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+from bios.cli.models import add_models_parser
 from bios.models import (
     UnknownModelError,
     cache_dir,
@@ -32,7 +33,6 @@ from bios.models import (
 )
 from bios.models.cache import staged_model_dir
 from bios.models.catalog import SPECIAL_TOKENS, GgufWheelModel
-from bios.models.cli import add_models_parser
 from bios.models.gguf_wheel import _extract_member
 
 TINY = "bios/tiny-llama"
@@ -320,7 +320,7 @@ def test_cache_dir_defaults_to_home(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_importing_the_package_does_not_import_torch():
-    probe = "import sys, bios.models, bios.models.cli; print('torch' in sys.modules)"
+    probe = "import sys, bios.models, bios.cli.models; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.stdout.strip() == "False", result.stderr
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bios.sdk.up_record import read_record
+from bios.cli.up_record import read_record
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "run-a-cluster.md"
 SECTION = "## Try it on one machine"

@@ -15,9 +15,9 @@ import bios
 from bios import ids
 from bios import messages as m
 from bios import types as t
+from bios.cli.run_report import sparkline
 from bios.coordinator.history import RunHistory, StepRecorder
 from bios.coordinator.store import Store
-from bios.sdk.run_report import sparkline
 
 BATCH = [text_datum("history is kept per step"), text_datum("and survives a restart")]
 

@@ -19,16 +19,19 @@ from conftest import BASE, text_datum
 import bios
 from bios import messages as m
 from bios import types
-from bios.cli import main as bios_cli
+from bios.cli.main import main as bios_cli
 from bios.coordinator.catalog import Catalog
 from bios.coordinator.checkpoints import DirectoryCheckpointStore
-from bios.coordinator.scheduler import Query, Scheduler, SelectWork, Submit
-from bios.coordinator.server import LOCAL_OWNER, Coordinator, CoordinatorConfig
+from bios.coordinator.scheduler import Scheduler, Submit
+from bios.coordinator.front_door import LOCAL_OWNER
+from bios.coordinator.config import CoordinatorConfig
+from bios.coordinator.server import Coordinator
 from bios.coordinator.store import Store
 from bios.exceptions import AuthenticationError, NotFoundError
 from bios.security.keys import ApiKey, KeyStore, WorkerToken
 from bios.security.listen import InsecureListenError, check_listen, is_local_address
 from bios.transport.codec import Envelope
+from bios.wire import make_codec
 from bios.worker.daemon import WorkerConfig, WorkerDaemon
 
 BATCH = [text_datum("keys keep the data apart")]
@@ -229,17 +232,17 @@ async def test_weights_a_client_sends_never_reach_a_worker(tmp_path):
     tensors a client puts into CreateModel.state or Sample.adapter_state are dropped at acceptance."""
     store = Store(tmp_path)
     scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")),
-                          m.make_codec(), _no_push, lambda: None)
+                          make_codec(), _no_push, lambda: None)
     store.add_session("s", "bob")
     forged = m.CheckpointState({"w": np.ones(4, np.float32)}, None, {"rank": 4, "target_modules": 7})
     create = m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4), state=forged)
-    await scheduler.receive(Submit(b"bob", "bob", create, [b"frame"]))
-    session = await scheduler.receive(Query("bob", m.CreateSamplingSession("s", 0, base_model=BASE)))
+    await scheduler.submit(Submit(b"bob", "bob", create, [b"frame"]))
+    session = scheduler.create_sampler("bob", m.CreateSamplingSession("s", 0, base_model=BASE))
     sample = m.Sample(session.sampling_session_id, 0, types.ModelInput.from_ints([1, 2]), 1,
                       types.SamplingParams(max_tokens=2), adapter_path="bios://s:train:0/sampler_weights/x",
                       adapter_state=forged)
-    await scheduler.receive(Submit(b"bob", "bob", sample, [b"frame"]))
-    ops = [item.op for item in await scheduler.receive(SelectWork(1, (BASE,)))]
+    await scheduler.submit(Submit(b"bob", "bob", sample, [b"frame"]))
+    ops = [scheduler.runs["s:train:0"].queue[0].op, scheduler.samples[0].op]  # what a cycle would send
     assert [type(op) for op in ops] == [m.CreateModel, m.Sample]
     assert ops[0].state is None and ops[1].adapter_state is None and ops[1].adapter_path is None
     store.close()
@@ -283,16 +286,15 @@ async def test_coordinator_authenticate_is_what_front_ends_call(tmp_path):
     forged = m.RegisterWorker("w", "h", 1, "cpu", 1, token=str(WorkerToken(bytes(32), token.server_public_key)))
     for message in (register, forged):
         with pytest.raises(AuthenticationError, match="worker token"):
-            keyed._dispatch_worker(b"w", Envelope(1, message), [])
-    accepted = keyed._dispatch_worker(b"w", Envelope(1, m.RegisterWorker("w", "h", 1, "cpu", 1, token=str(token))), [])
+            keyed.workers.dispatch(b"w", Envelope(1, message), [])
+    accepted = keyed.workers.dispatch(b"w", Envelope(1, m.RegisterWorker("w", "h", 1, "cpu", 1, token=str(token))), [])
     assert isinstance(accepted.result(), m.WorkerAccepted)
     _close(keyed)
     keys.close()
 
 
 def _close(coordinator: Coordinator) -> None:
-    coordinator.clients.close()
-    coordinator.workers.close()
+    coordinator.close_sockets()
     coordinator.store.close()
     if coordinator.keys is not None:
         coordinator.keys.close()

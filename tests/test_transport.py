@@ -19,10 +19,11 @@ import zmq.asyncio
 from bios import messages as m
 from bios.transport.codec import WIRE_VERSION, Envelope, Limits, TransportError
 from bios.transport.sockets import Dealer, Router, next_message_id
+from bios.wire import make_codec
 
 T = TypeVar("T")
 LIMITS = Limits(max_frames=8, max_message_bytes=1 << 20)
-CODEC = m.make_codec(LIMITS)
+CODEC = make_codec(LIMITS)
 
 
 async def within(awaitable: Awaitable[T], seconds: float = 10.0) -> T:

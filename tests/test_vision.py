@@ -20,13 +20,13 @@ from bios import types as t
 from bios.exceptions import BadRequestError
 from bios.export import write_peft_adapter
 from bios.models import load_base_model
-from bios.messages import make_codec
 from bios.transport.codec import Envelope
 from bios.worker.adapter import AdapterState
 from bios.worker.checkpoint import export_state
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
 from bios.worker.vision import image_reader
+from bios.wire import make_codec
 
 VLM = "bios/tiny-qwen2-vl"
 IMAGE_TOKENS = 4  # a 16x16 image: 4x4 patches of 4 pixels, merged 2x2

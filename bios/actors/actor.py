@@ -1,14 +1,16 @@
-"""Local actors: a mailbox processed one message at a time, `tell`/`ask`, and supervision.
+"""Local actors: a mailbox of method calls run one at a time, `tell`/`ask`, and supervision.
 
-An actor's state is touched only by its own `receive`, so it needs no locks. A handler exception goes back to
-the asker (if any); the actor is then resumed, restarted from its factory, or stopped according to its policy,
-and its supervisor callback is told.
+As with Ray's actors, a caller names the method and its arguments (`ref.ask(Scheduler.schedule, group_id)`),
+so an IDE follows the call to its handler. The calls run one at a time on the actor's task, so its state needs
+no locks. A handler exception goes back to the asker (if any); the actor is then resumed, restarted from its
+factory, or stopped according to its policy, and its supervisor callback is told.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,16 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class Actor:
-    """Subclass and implement `receive`; its return value answers an `ask`."""
+    """Subclass and give it methods (plain or async); a method's return value answers an `ask`."""
 
     async def started(self) -> None:
-        """Called once before the first message (and again after a restart)."""
+        """Called once before the first call (and again after a restart)."""
 
     async def stopped(self) -> None:
         """Called when the actor stops or before it is restarted."""
-
-    async def receive(self, message: Any) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} must implement receive()")
 
 
 class Policy(enum.Enum):
@@ -49,11 +48,24 @@ class Failure:
     action: Policy
 
 
-_STOP = object()
+@dataclass(frozen=True)
+class _Call:
+    """One mailbox entry: a method of the actor's class and its arguments."""
+
+    method: Callable[..., Any]
+    args: tuple[Any, ...]
+
+    @property
+    def name(self) -> str:
+        return getattr(self.method, "__qualname__", repr(self.method))
+
+
+_STOP = _Call(lambda _actor: None, ())
 
 
 class ActorRef:
-    """The handle other code holds: `tell` (fire and forget) and `ask` (await the reply)."""
+    """The handle other code holds: `tell` (fire and forget) and `ask` (await the reply), each with a method of
+    the actor's class and its arguments."""
 
     def __init__(
         self,
@@ -67,7 +79,7 @@ class ActorRef:
         self._factory = factory
         self._policy = policy
         self._on_failure = on_failure
-        self._mailbox: asyncio.Queue[tuple[Any, asyncio.Future[Any] | None]] = asyncio.Queue()
+        self._mailbox: asyncio.Queue[tuple[_Call, asyncio.Future[Any] | None]] = asyncio.Queue()
         self._actor = factory()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -85,21 +97,23 @@ class ActorRef:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"actor:{self.name}")
         return self
 
-    def tell(self, message: Any) -> None:
+    def tell(self, method: Callable[..., Any], *args: Any) -> None:
+        """Call `method(actor, *args)` in turn, without waiting for it."""
         if self._stopped:
             raise ActorStopped(f"actor {self.name} is stopped")
-        self._mailbox.put_nowait((message, None))
+        self._mailbox.put_nowait((_Call(method, args), None))
 
-    def ask_future(self, message: Any) -> asyncio.Future[Any]:
-        """Enqueue now (so mailbox order is call order) and return the future of the reply."""
+    def ask_future(self, method: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Enqueue the call now (so mailbox order is call order) and return the future of its result."""
         if self._stopped:
             raise ActorStopped(f"actor {self.name} is stopped")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._mailbox.put_nowait((message, future))
+        self._mailbox.put_nowait((_Call(method, args), future))
         return future
 
-    async def ask(self, message: Any, timeout: float | None = None) -> Any:
-        future = self.ask_future(message)
+    async def ask(self, method: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """Call `method(actor, *args)` in turn and return its result (or raise its error)."""
+        future = self.ask_future(method, *args)
         if timeout is None:
             return await future
         return await asyncio.wait_for(future, timeout)
@@ -117,11 +131,13 @@ class ActorRef:
         try:
             await self._actor.started()
             while True:
-                message, future = await self._mailbox.get()
-                if message is _STOP:
+                call, future = await self._mailbox.get()
+                if call is _STOP:
                     break
                 try:
-                    result = await self._actor.receive(message)
+                    result = call.method(self._actor, *call.args)
+                    if inspect.isawaitable(result):
+                        result = await result
                 except asyncio.CancelledError:
                     if future is not None and not future.done():
                         future.cancel()
@@ -129,7 +145,7 @@ class ActorRef:
                 except Exception as exc:
                     if future is not None and not future.done():
                         future.set_exception(exc)
-                    if not await self._handle_failure(exc, message):
+                    if not await self._handle_failure(exc, call):
                         break
                 else:
                     if future is not None and not future.done():
@@ -144,11 +160,11 @@ class ActorRef:
             self._stopped = True
             self._fail_pending()
 
-    async def _handle_failure(self, exc: Exception, message: Any) -> bool:
+    async def _handle_failure(self, exc: Exception, call: _Call) -> bool:
         """Apply the policy; returns whether to keep running."""
         action = self._policy
         if action is not Policy.RESUME or not _is_expected(exc):
-            log.error("actor %s failed on %s: %r", self.name, type(message).__name__, exc, exc_info=exc)
+            log.error("actor %s failed in %s: %r", self.name, call.name, exc, exc_info=exc)
         if self._on_failure is not None:
             self._on_failure(Failure(self.name, exc, action))
         if action is Policy.RESTART:

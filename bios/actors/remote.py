@@ -10,37 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
+from bios.exceptions import RemoteError  # the wire form of an error
 from bios.transport.codec import Envelope, TransportError
 from bios.transport.sockets import Dealer, Router, next_message_id
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RemoteError:
-    """A handler's exception, by class name, with what a user needs to act on it."""
-
-    type: str
-    message: str
-    field: str | None = None
-    retry_after: float | None = None
-    request_id: str | None = None
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> RemoteError:
-        category = getattr(exc, "category", None)
-        name = type(exc).__name__ if category is not None else "InternalServerError"
-        message = str(exc) if category is not None else f"{type(exc).__name__}: {exc}"
-        return cls(
-            type=name,
-            message=message,
-            field=getattr(exc, "field", None),
-            retry_after=getattr(exc, "retry_after", None),
-            request_id=getattr(exc, "request_id", None),
-        )
 
 
 class RemoteCallError(Exception):
@@ -130,6 +106,13 @@ class RemoteRef:
 
 
 Dispatch = Callable[[bytes, Envelope, list[Any]], "asyncio.Future[Any] | Awaitable[Any] | None"]
+
+
+def answered(value: Any) -> asyncio.Future[Any]:
+    """A dispatch's reply that is ready now (`serve` sends it without starting a task)."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 async def serve(router: Router, dispatch: Dispatch) -> None:

@@ -14,7 +14,6 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from bios import ids, images, spec
 from bios import messages as m
@@ -38,7 +37,7 @@ class Submit:
 
     peer: bytes
     owner: str
-    op: Any
+    op: m.Request
     frames: list[bytes]
 
     @property
@@ -53,7 +52,7 @@ class Fresh:
     request_id: str
     target: str  # the run or sampling session
     seq_id: int
-    op: Any
+    op: m.Request
     plan: PlanChoice | None = None  # a new run's base-model plan, to adopt with it
 
 
@@ -71,7 +70,7 @@ class Refused:
     request_id: str
     target: str
     seq_id: int
-    op: Any
+    op: m.Request
     error: BiosAPIError
     consumes_seq: bool
 
@@ -99,9 +98,7 @@ class Admission:
             return self._admit_sample(sub, samplers, infos)
         op = sub.op
         create = isinstance(op, m.CreateModel)
-        model_id = ids.run_id(op.session_id, op.model_seq_id) if create else op.model_id
-        seq_id = 0 if create else op.seq_id
-        request_id = ids.request_id(model_id, seq_id)
+        model_id, seq_id, request_id = op.target, op.seq, ids.request_id_of(op)
         self._check_owner(model_id, sub.owner, runs)
         stored = self.store.get_request(request_id)
         if stored is not None:
@@ -130,7 +127,7 @@ class Admission:
     def _admit_sample(self, sub: Submit, samplers: Mapping[str, Sampler],
                       infos: Mapping[str, t.BaseModelInfo]) -> Verdict:
         op: m.Sample = sub.op
-        request_id = ids.request_id(op.sampling_session_id, op.seq_id)
+        request_id = ids.request_id_of(op)
         sampler = samplers.get(op.sampling_session_id)
         known = (sampler.owner,) if sampler is not None else self.store.get_sampling_session(op.sampling_session_id)
         if known is not None and known[0] != sub.owner:
@@ -213,7 +210,7 @@ class Admission:
         return dataclasses.replace(op, base_model=op.base_model or str(meta["base_model"]), lora=lora, state=state,
                                    optimizer=optimizer)
 
-    def prepare(self, op: Any, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> Any:
+    def prepare(self, op: m.Request, run: Run, owner: str, infos: Mapping[str, t.BaseModelInfo]) -> m.Request:
         """Check a request against the spec and its run; fill in what only the coordinator knows (the same
         way every time: a restarted coordinator prepares its accepted requests again)."""
         if isinstance(op, m.ReleaseSeq):  # the one way to use up a seq_id without running anything

@@ -14,8 +14,8 @@ from typing import Any
 from bios import ids
 from bios import messages as m
 from bios import types as t
-from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
+from bios.exceptions import RemoteError
 
 from .catalog import Catalog
 

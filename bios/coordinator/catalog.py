@@ -84,6 +84,10 @@ class Catalog:
         record = self.find_readable(path, owner, field=field)
         return self.files.get(CheckpointPath.parse(record.path))
 
+    def load_for_workers(self, path: str) -> CheckpointState:
+        """A checkpoint's tensors for the workers (sampler weights, restores): any owner's, by its path."""
+        return self.load(path, None)
+
     def delete(self, path: str, owner: str | None) -> None:
         self._remove(self.find(path, owner))
 
@@ -99,9 +103,9 @@ class Catalog:
         self.store.delete_checkpoint(record.path)
         self.disk.hold()  # space came back: set the reserve aside again if it was used
 
-    def latest_automatic(self, run_id: str) -> StoredCheckpoint | None:
+    def latest_automatic_path(self, run_id: str) -> str | None:
         automatic = [c for c in self.store.list_checkpoints(run_id) if c.automatic]
-        return automatic[-1] if automatic else None
+        return automatic[-1].path if automatic else None
 
     # ------------------------------------------------------------------------------------ listings
 

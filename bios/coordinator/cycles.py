@@ -27,17 +27,17 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from bios import messages as m
 from bios.actors.actor import ActorRef
 
 from .clock import CycleClock
+from .exchange import CycleOutcome, CyclePlan
 from .generations import GenerationFormer, LoadState, Probe, SendToWorker
-from .mailbox import CycleEnded, Finished, SelectWork
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
 from .roster import Roster
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ class _Cycle:
     cycle_id: int
     workers: set[str]
     expected: set[str]
-    ops: dict[str, Any]
+    ops: dict[str, m.Request]
     waiting: set[str]
-    finished: set[str] = field(default_factory=set)
+    results: dict[str, m.ItemDone] = field(default_factory=dict)  # request id -> its first result, in order
     checksums: dict[str, dict[str, float]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     aborted: bool = False
@@ -84,32 +84,47 @@ class CycleRunner:
             while not self.gone:
                 await self.clock.next_tick()
                 async with self._lock:
-                    members = await self.generations.current()  # form first: a lost run's work is never selected
-                    if members is None:
-                        break
-                    cycle_id = self.roster.next_cycle_id()
-                    items: list[m.WorkItem] = await self.scheduler.ask(SelectWork(cycle_id, self.generations.layout.models))
-                    if items:
-                        await self._run_cycle(cycle_id, members, items)
+                    await self._tick(take_work=True)
         finally:
             watcher.cancel()
             self.roster.release(self.group_id)
 
+    async def _tick(self, take_work: bool) -> None:
+        """One exchange with the scheduler: its plan, then (when the generation is formed for the plan's layout)
+        the cycle, whose outcome goes back in one `update`. A generation that must be formed first is formed,
+        and the plan asked for again: work is taken only for a formed generation, so a lost run's work is never
+        selected."""
+        while True:
+            settled = self.generations.settled_layout() if take_work else None
+            plan: CyclePlan = await self.scheduler.ask(Scheduler.schedule, self.group_id, settled)
+            if plan.layout is None:
+                self.gone = True
+                return
+            if plan.items:
+                await self._run_cycle(plan, self.generations.ranked)
+                return
+            if plan.layout.same_shape(settled):
+                return  # formed, and no work
+            await self.generations.settle(plan.layout, plan.adapters)
+            if not take_work:
+                return
+
     async def _form_on_change(self) -> None:
         """Form a new generation as soon as the group's members or layout change, not only when work arrives: a
         newcomer should hold the state before anyone else can die."""
-        while True:
+        while not self.gone:
             seen = self.roster.version
             async with self._lock:
-                if await self.generations.current() is None:
-                    self.gone = True
-                    self.clock.work_queued()  # wake the cycle loop, which ends
-                    return
+                await self._tick(take_work=False)
+            if self.gone:
+                self.clock.work_queued()  # wake the cycle loop, which ends
+                return
             await self.roster.changed_since(seen)
 
     # ------------------------------------------------------------------------------------ cycles
 
-    async def _run_cycle(self, cycle_id: int, members: list[Member], items: list[m.WorkItem]) -> None:
+    async def _run_cycle(self, plan: CyclePlan, members: list[Member]) -> None:
+        items = plan.items
         training = [i for i in items if not isinstance(i.op, m.Sample)]
         dealt: dict[str, list[m.WorkItem]] = {mb.worker_id: [] for mb in members}
         tp = self.generations.layout.tp
@@ -122,7 +137,7 @@ class CycleRunner:
             for member in members[replica * tp : (replica + 1) * tp]:
                 dealt[member.worker_id].append(item)
         cycle = _Cycle(
-            cycle_id=cycle_id,
+            cycle_id=plan.cycle_id,
             workers={mb.worker_id for mb in members},
             expected={item.request_id for item in items},
             ops={item.request_id: item.op for item in items},
@@ -142,14 +157,15 @@ class CycleRunner:
         self.clock.cycle_ran(duration)
         self.metrics.cycle_ran(duration, aborted=cycle.aborted)
         self._check_replicas(cycle)
-        self.generations.after_cycle(cycle.aborted, cycle.ops, cycle.checksums)
+        committed = self.generations.after_cycle(cycle.aborted, cycle.ops, cycle.checksums)
         stalled = cycle.aborted and cycle.collective_failed and not cycle.worker_died
         why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
-        self.scheduler.tell(CycleEnded(cycle.cycle_id, frozenset(cycle.finished), cycle.aborted, cycle.worker_died,
-                                       stalled=stalled, why=why))
+        self.scheduler.tell(Scheduler.update, CycleOutcome(
+            cycle.cycle_id, plan.layout.models if plan.layout else (), tuple(cycle.results.values()), cycle.aborted,
+            cycle.worker_died, stalled, why, committed))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again (%s%s)", cycle.cycle_id,
-                        len(cycle.expected - cycle.finished), len(cycle.expected),
+                        len(cycle.expected - cycle.results.keys()), len(cycle.expected),
                         "every member alive: " if stalled else "", why)
             if cycle.collective_failed:
                 self.generations.rebuild("a collective failed; the group is rebuilt")
@@ -198,20 +214,19 @@ class CycleRunner:
         if cycle is None or done.cycle_id != cycle.cycle_id or worker_id not in cycle.workers:
             log.debug("dropped a late result for %s", done.request_id)
             return
-        if done.request_id in cycle.expected and done.request_id not in cycle.finished:
-            cycle.finished.add(done.request_id)
+        if done.request_id in cycle.expected and done.request_id not in cycle.results:
+            cycle.results[done.request_id] = done
             op = cycle.ops.get(done.request_id)
             if isinstance(op, m.SaveWeights) and op.kind == "sampler_weights" and done.error is None:
                 for member in self.generations.ranked:
                     member.sampler_paths.add(op.path)
-            self.scheduler.tell(Finished(done))
 
     def sample_progress(self, worker_id: str, progress: m.SampleProgress) -> None:
         """A streaming sample's tokens so far: to its waiters, while it still runs in this cycle."""
         cycle = self.current
         if (cycle is not None and progress.cycle_id == cycle.cycle_id and worker_id in cycle.workers
-                and progress.request_id in cycle.expected and progress.request_id not in cycle.finished):
-            self.scheduler.tell(progress)
+                and progress.request_id in cycle.expected and progress.request_id not in cycle.results):
+            self.scheduler.tell(Scheduler.sample_progress, progress)
 
     def worker_done(self, worker_id: str, done: m.CycleDone) -> None:
         cycle = self.current
@@ -245,7 +260,7 @@ class CycleRunner:
 
     def _maybe_done(self, cycle: _Cycle) -> None:
         if not cycle.waiting:
-            cycle.aborted = cycle.aborted or cycle.finished != cycle.expected
+            cycle.aborted = cycle.aborted or cycle.results.keys() != cycle.expected
             cycle.done.set()
 
     async def _probe_others(self, cycle: _Cycle) -> None:

@@ -14,19 +14,26 @@ from typing import Any
 
 from bios import messages as m
 from bios.actors.actor import ActorRef
+from bios.actors.remote import answered
 from bios.exceptions import BadRequestError, NotFoundError
 from bios.security.limits import QuotaLedger
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 
-from . import mailbox as sched
 from .admission import Submit
-from .queries import ACCOUNT_TYPES
+from .queries import ACCOUNT_TYPES, Queries
 from .queries import QUERY_TYPES as READ_QUERIES
-from .queries import Queries
+from .scheduler import Scheduler
 from .store import Store
 
 LOCAL_OWNER = "local"
+
+# The queries about what the scheduler holds in memory: each its method, called with (owner, query).
+SCHEDULER_QUERIES: dict[type, Callable[..., Any]] = {
+    m.GetInfo: Scheduler.get_info,
+    m.CreateSamplingSession: Scheduler.create_sampler,
+    m.GetSamplingSession: Scheduler.get_sampler,
+}
 
 
 class FrontDoor:
@@ -102,7 +109,7 @@ class FrontDoor:
 
     # ------------------------------------------------------------------------------------ requests
 
-    def submit(self, peer: bytes, op: Any, owner: str = LOCAL_OWNER,
+    def submit(self, peer: bytes, op: m.Request, owner: str = LOCAL_OWNER,
                frames: list[bytes] | None = None) -> asyncio.Future[Any]:
         """Admit a request (validated, stored, ordered); resolves to `Accepted`, or the error that refused it.
 
@@ -110,23 +117,24 @@ class FrontDoor:
         if frames is None:
             frames = [bytes(f) for f in self.codec.encode(Envelope(next_message_id(), op))]
         self.ledger.arrive(owner)
-        future = self.scheduler.ask_future(Submit(peer, owner, op, frames))
+        future = self.scheduler.ask_future(Scheduler.submit, Submit(peer, owner, op, frames))
         future.add_done_callback(lambda _f: self.ledger.arrived(owner))
         return future
 
     def watch(self, peer: bytes, request_id: str, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
         """Send `peer` the result of a request it submitted to an earlier coordinator (now, or when it comes);
         NotFoundError if `owner` has no such request."""
-        return self.scheduler.ask_future(sched.Watch(peer, owner, request_id))
+        return self.scheduler.ask_future(Scheduler.watch, peer, owner, request_id)
 
     def query(self, body: Any, owner: str = LOCAL_OWNER) -> asyncio.Future[Any]:
         """Answer a query (GetInfo, sampling sessions, listings, capabilities, status) for `owner`."""
-        if isinstance(body, sched.QUERY_TYPES):
-            return self.scheduler.ask_future(sched.Query(owner, body))
+        asked = SCHEDULER_QUERIES.get(type(body))
+        if asked is not None:
+            return self.scheduler.ask_future(asked, owner, body)
         if isinstance(body, READ_QUERIES):
-            return _ready(self.queries.answer(owner, body))
+            return answered(self.queries.answer(owner, body))
         if isinstance(body, m.GetServerCapabilities):
-            return _ready(self.capabilities())
+            return answered(self.capabilities())
         if isinstance(body, m.GetClusterStatus):
             return asyncio.ensure_future(self.status())
         raise BadRequestError(f"{type(body).__name__} is not a query", field="kind")
@@ -139,10 +147,5 @@ class FrontDoor:
 
     @staticmethod
     def is_query(body: Any) -> bool:
-        return isinstance(body, (*sched.QUERY_TYPES, *READ_QUERIES, m.GetServerCapabilities, m.GetClusterStatus))
+        return isinstance(body, (*SCHEDULER_QUERIES, *READ_QUERIES, m.GetServerCapabilities, m.GetClusterStatus))
 
-
-def _ready(value: Any) -> asyncio.Future[Any]:
-    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future

@@ -26,10 +26,11 @@ from bios.actors.actor import ActorRef
 from bios.cluster_defaults import COLLECTIVE_TIMEOUT_S
 
 from .adoption import adoptable
-from .mailbox import Adapters, Committed, Formed, GroupLayout, Layout, NotifyWaiting, Recovered, RunsLost
+from .exchange import GroupLayout
 from .membership import Member, Membership
 from .ranking import rank_members
 from .roster import Roster
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class GenerationFormer:
         self.shards: dict[str, tuple[int, int]] = {}  # worker id -> (tp, shard) it holds
         self.layout = GroupLayout(1, (), (), ())  # the layout the current generation runs
         self._formed: tuple[frozenset[int], GroupLayout] | None = None  # members (as objects) and layout formed
+        self._settled_at = -1  # the roster version at which the generation was last found formed
         self._stale = False  # the same members must form again (a collective failed, replicas diverged)
         self._join_failures: dict[str, int] = {}
 
@@ -94,15 +96,15 @@ class GenerationFormer:
         self._stale = True
         self.roster.changed(f"{self.group_id}: {why}")
 
-    def after_cycle(self, aborted: bool, ops: dict[str, Any], checksums: dict[str, dict[str, float]]) -> None:
+    def after_cycle(self, aborted: bool, ops: dict[str, m.Request], checksums: dict[str, dict[str, float]]) -> dict[str, float]:
         """Record the adapters' checksums after a cycle (rank 0's; an aborted cycle's adapters are unknown until
-        the group is formed again), in the state dir too."""
+        the group is formed again); returns them, for the state dir."""
         if aborted:
             for op in ops.values():
-                self.committed.pop(getattr(op, "model_id", ""), None)
+                self.committed.pop(op.target, None)
         elif self.ranked and self.layout.tp == 1:
             self.committed.update(checksums.get(self.ranked[0].worker_id, {}))
-        self.scheduler.tell(Committed(self.layout.models, dict(self.committed)))
+        return dict(self.committed)
 
     def abort_members(self, state: Abortable, generation: int, reason: str) -> None:
         """Tell the members still in a cycle or formation that it is given up (once): their collectives with
@@ -124,27 +126,33 @@ class GenerationFormer:
             if not forming.waiting:
                 forming.done.set()
 
-    async def current(self) -> list[Member] | None:
-        """The group's generation, formed anew when its members (the placement's, once no other group still
-        runs a cycle with them) or its layout changed, or when it must be rebuilt; None once it is dissolved."""
-        while True:
-            seen = self.roster.version
-            layout: GroupLayout | None = await self.scheduler.ask(Layout(self.group_id))
-            if layout is None:
-                return None
-            live = {mb.worker_id: mb for mb in self.membership.alive()}
-            members = [live[w] for w in layout.workers if w in live and not self.roster.busy_elsewhere(w, self.group_id)]
-            if self._rejoin_deadline and await self._wait_for_rejoin(members, layout, seen):
-                continue
-            formed = (frozenset(id(mb) for mb in members), dataclasses.replace(layout, workers=()))
-            if formed == self._formed and not self._stale:
-                return self.ranked
-            if len(members) < max(1, layout.tp):
-                await self._wait_for_room(len(members), layout, seen)
-                continue
-            if await self._form(members, layout):
-                self._formed, self._stale = formed, False
-                return self.ranked
+    def settled_layout(self) -> GroupLayout | None:
+        """The layout the current generation was formed for, while nothing it was formed from has changed
+        (the roster, a member's life, a rebuild asked for); None when `settle` must look again."""
+        if self._stale or self._rejoin_deadline or self.roster.version != self._settled_at or not self.ranked:
+            return None
+        if any(self.membership.members.get(mb.worker_id) is not mb or mb.state == "dead" for mb in self.ranked):
+            return None
+        return self.layout
+
+    async def settle(self, layout: GroupLayout, adapters: tuple[m.AdapterSpec, ...]) -> None:
+        """Form the generation for `layout` when its members (the placement's, once no other group still runs
+        a cycle with them) or its layout changed, or when it must be rebuilt; or wait for enough workers, or
+        after a coordinator restart for a worker that kept the state. The caller then asks for a new plan."""
+        seen = self.roster.version
+        live = {mb.worker_id: mb for mb in self.membership.alive()}
+        members = [live[w] for w in layout.workers if w in live and not self.roster.busy_elsewhere(w, self.group_id)]
+        if self._rejoin_deadline and await self._wait_for_rejoin(members, adapters, seen):
+            return
+        formed = (frozenset(id(mb) for mb in members), dataclasses.replace(layout, workers=()))
+        if formed == self._formed and not self._stale:
+            self.layout, self._settled_at = layout, seen
+            return
+        if len(members) < max(1, layout.tp):
+            await self._wait_for_room(len(members), layout, seen)
+            return
+        if await self._form(members, layout, list(adapters)):
+            self._formed, self._stale, self._settled_at = formed, False, seen
 
     async def _wait_for_room(self, serving: int, layout: GroupLayout, seen: int) -> None:
         """Too few workers for one replica: say why, then wait for the roster to change."""
@@ -154,15 +162,15 @@ class GenerationFormer:
                         serving, layout.tp)
         else:
             log.warning("no live worker can hold %s", models)
-            await self.scheduler.ask(NotifyWaiting(f"it waits for a worker with room for its base model ({models})",
-                                                   layout.models))
+            await self.scheduler.ask(Scheduler.notify_waiting,
+                                     f"it waits for a worker with room for its base model ({models})", layout.models)
         await self.roster.changed_since(seen)
 
-    async def _wait_for_rejoin(self, members: list[Member], layout: GroupLayout, seen: int) -> bool:
+    async def _wait_for_rejoin(self, members: list[Member], adapters: tuple[m.AdapterSpec, ...], seen: int) -> bool:
         """After a coordinator restart, wait (a little) for a worker that kept the group's state to register
         again, so a newcomer that registers first does not make its runs restore from disk; True after a wait."""
         left = self._rejoin_deadline - time.monotonic()
-        self._keep_committed(await self.scheduler.ask(Adapters(layout.models)))
+        self._keep_committed(list(adapters))
         if left <= 0 or not self.committed or any(adoptable(mb, self.committed) is not None for mb in members):
             self._rejoin_deadline = 0.0
             return False
@@ -170,9 +178,8 @@ class GenerationFormer:
             await asyncio.wait_for(self.roster.changed_since(seen), left)
         return True
 
-    async def _form(self, members: list[Member], layout: GroupLayout) -> bool:
+    async def _form(self, members: list[Member], layout: GroupLayout, adapters: list[m.AdapterSpec]) -> bool:
         generation = self.roster.next_generation()
-        adapters: list[m.AdapterSpec] = await self.scheduler.ask(Adapters(layout.models))
         if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
             self._adopt_rejoined(members, adapters)
         ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, self.layout.tp)
@@ -206,8 +213,8 @@ class GenerationFormer:
         self.holders = {mb.worker_id for mb in ranked}
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
-        self.scheduler.tell(Committed(layout.models, dict(self.committed)))
-        self.scheduler.tell(Formed(self.group_id, tuple(mb.worker_id for mb in ranked)))
+        self.scheduler.tell(Scheduler.formed, self.group_id, tuple(mb.worker_id for mb in ranked), layout.models,
+                            dict(self.committed))
         self._join_failures.clear()
         log.info("%s: generation %d formed: %s", self.group_id, generation, ", ".join(mb.worker_id for mb in ranked))
         return True
@@ -226,7 +233,7 @@ class GenerationFormer:
                         "adapter(s) as last committed%s: it is the source", member.worker_id, len(adapters),
                         f" (its last cycle: {member.last_cycle.cycle_id})" if member.last_cycle else "")
             if recovered:
-                self.scheduler.tell(Recovered(recovered))
+                self.scheduler.tell(Scheduler.recovered, recovered)
                 self.committed = dict(member.holdings)
             self.holders = {member.worker_id}
             return
@@ -259,7 +266,7 @@ class GenerationFormer:
             kept.append(spec)
             log.warning("no live worker holds %s any more: it restores from %s", spec.model_id, path)
         if lost:
-            self.scheduler.tell(RunsLost(tuple(lost)))
+            self.scheduler.tell(Scheduler.runs_lost, tuple(lost))
         return kept, restore
 
     def reconfigured(self, worker_id: str, done: m.Reconfigured) -> None:

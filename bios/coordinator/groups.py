@@ -21,10 +21,10 @@ from bios.actors.actor import ActorRef
 from .clock import CycleClock
 from .cycles import CycleRunner
 from .generations import SendToWorker
-from .mailbox import NotifyWaiting, Place
 from .membership import Member, Membership
 from .placement import Placement
 from .roster import Roster
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Groups:
             while True:
                 seen = self.membership.generation
                 self._poked.clear()
-                self._reconcile(await self.scheduler.ask(Place()))
+                self._reconcile(await self.scheduler.ask(Scheduler.place))
                 waits = [asyncio.ensure_future(self.membership.changed_since(seen)),
                          asyncio.ensure_future(self._poked.wait()), *self._tasks.values()]
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -97,8 +97,8 @@ class Groups:
         for model, why in placement.unplaced:
             if (model, why) not in self._told:
                 log.warning("no live worker can hold %s: %s", model, why)
-                self.scheduler.tell(NotifyWaiting(f"it waits for a worker with room for its base model ({why})",
-                                                  (model,)))
+                self.scheduler.tell(Scheduler.notify_waiting,
+                                    f"it waits for a worker with room for its base model ({why})", (model,))
         self._told = set(placement.unplaced)
 
     def work_queued(self) -> None:

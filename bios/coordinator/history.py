@@ -118,7 +118,7 @@ class StepRecorder:
         self.pending: dict[str, _Pending] = {}
         self._last: dict[str, m.MetricPoint | None] = {}
 
-    def record(self, request_id: str, op: Any, result: Any, error: Any, cycle_id: int) -> None:
+    def record(self, request_id: str, op: m.Request | None, result: Any, error: Any, cycle_id: int) -> None:
         """Note a finished request; a full disk costs the point (logged), never the request's answer."""
         if error is not None:
             return

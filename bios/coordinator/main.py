@@ -18,13 +18,14 @@ import zmq
 
 from bios import cluster_defaults
 from bios.actors import loop as event_loop
-from bios.cli_support import HelpFormatter, add_checkpoint_options, add_state_dir
-from bios.security.limits import Quotas
+from bios.cli.support import HelpFormatter, add_checkpoint_options, add_state_dir
 from bios.security.keys import KeyStore
+from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError, check_http
 
+from .config import CoordinatorConfig
 from .metrics import JsonLogFormatter, serve_metrics
-from .server import Coordinator, CoordinatorConfig
+from .server import Coordinator
 
 log = logging.getLogger(__name__)
 

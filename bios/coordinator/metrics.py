@@ -36,14 +36,14 @@ _INFO_OPS = frozenset({"create_model", "save_weights", "load_weights"})
 LOG_FIELDS = ("run_id", "request_id", "op", "latency_s", "cycle_id", "worker_id")
 
 
-def op_name(op: Any) -> str:
+def op_name(op: m.Request | None) -> str:
     """`forward_backward`, `forward`, `optim_step`, `sample`, `create_model`, ...: the label of a request."""
     if isinstance(op, m.ForwardBackward) and op.forward_only:
         return "forward"
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(op).__name__).lower()
 
 
-def tokens_of(op: Any, result: Any) -> int:
+def tokens_of(op: m.Request | None, result: Any) -> int:
     """Tokens a finished request put through a model: training inputs, or sampling prompts plus output."""
     if isinstance(op, m.ForwardBackward):
         return sum(datum.model_input.length for datum in op.data)
@@ -78,10 +78,10 @@ class CoordinatorMetrics:
 
     # ------------------------------------------------------------------------------------ events
 
-    def request_accepted(self, request_id: str, op: Any) -> None:
+    def request_accepted(self, request_id: str, op: m.Request) -> None:
         self._accepted[request_id] = (op_name(op), time.monotonic())
 
-    def request_finished(self, request_id: str, op: Any, result: Any, error: Any) -> None:
+    def request_finished(self, request_id: str, op: m.Request | None, result: Any, error: Any) -> None:
         """Count and time a finished request, and log it with its run and request ids."""
         name, accepted_at = self._accepted.pop(request_id, (op_name(op), None))
         outcome = "error" if error is not None else "ok"
@@ -101,7 +101,7 @@ class CoordinatorMetrics:
             log.log(logging.INFO if name in _INFO_OPS else logging.DEBUG, "request %s (%s) of %s done in %s",
                     request_id, name, run_id, "?" if latency is None else f"{latency:.3f}s", extra=ids)
 
-    def request_rejected(self, request_id: str, op: Any, reason: str) -> None:
+    def request_rejected(self, request_id: str, op: m.Request | None, reason: str) -> None:
         """A request refused at acceptance (bad input, unknown run...): counted, logged at INFO, never timed."""
         name = op_name(op)
         self.requests.labels(name, "rejected").inc()

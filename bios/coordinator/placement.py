@@ -66,6 +66,13 @@ class Placement:
     def group_of_model(self, base_model: str) -> Group | None:
         return next((g for g in self.groups if base_model in g.models), None)
 
+    def samples(self, base_model: str, models: tuple[str, ...]) -> bool:
+        """Whether the group of `models` samples `base_model`: its own, or any model no group holds (the first
+        group's workers load it for the sample)."""
+        if base_model in models:
+            return True
+        return self.group_of_model(base_model) is None and bool(self.groups) and self.groups[0].models == models
+
     def group_of_worker(self, worker_id: str) -> Group | None:
         return next((g for g in self.groups if worker_id in g.workers), None)
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from bios import messages as m
 from bios import types as t
-from bios.actors.remote import RemoteError
-from bios.exceptions import BiosAPIError
+from bios.exceptions import BiosAPIError, RemoteError
 from bios.transport.codec import Codec
 
 from .admission import Admission, Sampler
@@ -32,7 +30,7 @@ class Restored:
     samples: list[Queued] = field(default_factory=list)
     steps: dict[str, int] = field(default_factory=dict)
     infos: dict[str, t.BaseModelInfo] = field(default_factory=dict)
-    failed: list[tuple[str, Any, RemoteError]] = field(default_factory=list)  # request id, op, why
+    failed: list[tuple[str, m.Request, RemoteError]] = field(default_factory=list)  # request id, op, why
 
 
 def restore(store: Store, codec: Codec, admission: Admission) -> Restored:
@@ -70,7 +68,7 @@ def restore(store: Store, codec: Codec, admission: Admission) -> Restored:
     return state
 
 
-def _prepare(op: Any, target: str, state: Restored, admission: Admission) -> Any:
+def _prepare(op: m.Request, target: str, state: Restored, admission: Admission) -> m.Request:
     if isinstance(op, m.Sample):
         sampler = state.samplers[target]
         return dataclasses.replace(op, base_model=sampler.base_model, adapter_path=sampler.model_path,

@@ -10,9 +10,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bios import ids
 from bios import messages as m
-from bios.actors.remote import RemoteError
-from bios.exceptions import ERROR_TYPES, BadRequestError, RequestFailedError
+from bios.exceptions import ERROR_TYPES, BadRequestError, NotFoundError, RemoteError, RequestFailedError
 from bios.security.limits import QuotaLedger
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
@@ -58,6 +58,19 @@ class ResultRouter:
             self.wait(stored.request_id, peer)
         return m.Accepted(stored.request_id)
 
+    async def watch(self, peer: bytes, owner: str, request_id: str) -> m.Ack:
+        """Push `peer` the logged answer of `owner`'s request now, or when it comes; NotFoundError if `owner` has
+        no such request."""
+        target = ids.target_of(request_id)
+        run = self.store.get_run(target)
+        sampler = self.store.get_sampling_session(target)
+        owner_of = run.owner if run is not None else sampler[0] if sampler is not None else None
+        stored = self.store.get_request(request_id)
+        if stored is None or owner_of != owner:
+            raise NotFoundError(f"no request {request_id!r}", field="request_id")
+        await self.repeat(peer, stored)
+        return m.Ack()
+
     def refuse(self, refused: Refused) -> None:
         """Record a refusal, so a resubmission of the same seq_id gets the same error."""
         exc = refused.error
@@ -72,7 +85,7 @@ class ResultRouter:
             log.warning("refusal of %s not recorded: %s", refused.request_id, full.message)
         self.metrics.request_rejected(refused.request_id, refused.op, exc.message)
 
-    async def deliver(self, request_id: str, op: Any, result: Any, error: RemoteError | None,
+    async def deliver(self, request_id: str, op: m.Request | None, result: Any, error: RemoteError | None,
                       cycle_id: int = 0) -> None:
         """Log the outcome of an accepted request, then answer everyone waiting for it."""
         self.metrics.request_finished(request_id, op, result, error)
@@ -92,7 +105,7 @@ class ResultRouter:
         for peer in self.waiters.pop(request_id, ()):
             await self.push(peer, frames)
 
-    async def withdraw(self, request_id: str, op: Any, error: RemoteError) -> None:
+    async def withdraw(self, request_id: str, op: m.Request | None, error: RemoteError) -> None:
         """Take back an accepted request that never ran: its waiters get `error`, the log forgets it (a resend
         runs it afresh)."""
         self.metrics.request_rejected(request_id, op, error.message)

@@ -1,10 +1,10 @@
-"""What the groups' cycle runners share: which worker each is busy with, one numbering of cycles and
-generations, and a change signal.
+"""What the groups' cycle runners share: which worker each is busy with, one numbering of generations, and a
+change signal.
 
 The placement moves a worker from one group to another at once, but the worker may still be inside the old
 group's cycle or formation: the new group takes it only when the old one has let it go (`busy_elsewhere`).
-Cycle ids and generation numbers come from one counter each, so a late report from a worker that changed groups
-never matches the new group's cycle.
+Generation numbers come from one counter (cycle ids from the scheduler's), so a late report from a worker that
+changed groups never matches the new group's generation or cycle.
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ class Roster:
     def __init__(self) -> None:
         self.version = 0
         self._changed = asyncio.Event()
-        self._cycle_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._busy: dict[str, str] = {}  # worker id -> the group running a cycle or formation with it
         self._wanted: set[str] = set()  # busy workers another group waits for
-
-    def next_cycle_id(self) -> int:
-        return next(self._cycle_ids)
 
     def next_generation(self) -> int:
         return next(self._generations)

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from bios import messages as m
 from bios import types as t
+
+from .metrics import tokens_of
 
 
 @dataclass
 class Queued:
     request_id: str
-    op: Any
+    op: m.Request | None  # None: a refusal restored from the request log (it only holds its seq_id)
     rejected: bool = False
     queued_at: float = field(default_factory=time.monotonic)
     deaths: int = 0  # cycles that aborted because a worker died while running this request
@@ -134,6 +136,18 @@ class Run:
                     "which never arrived (a client that reserved it and died?)")
         return f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s to run"
 
+    def ran_elsewhere(self, seq_id: int) -> Queued | None:
+        """Take `seq_id` out of the queue: a worker ran and committed it before this coordinator's log recorded
+        it (the coordinator restarted). None when it is not queued here, or was refused."""
+        queued = self.queue.get(seq_id)
+        if queued is None or queued.rejected:
+            return None
+        del self.queue[seq_id]
+        self.next_seq = seq_id + 1
+        for passed in [s for s in self.queue if s < self.next_seq]:  # refused ones it passed
+            del self.queue[passed]
+        return queued
+
     def cycle_committed(self) -> None:
         self.in_flight.clear()
 
@@ -162,3 +176,22 @@ class Run:
             self.next_seq = min(self.next_seq, seq_id)
         self.in_flight.clear()
         return returned
+
+
+def queued_tokens(runs: Iterable[Run]) -> dict[str, int]:
+    """Tokens waiting in the training queues, per base model (a refused request holds a place, not work)."""
+    tokens: dict[str, int] = {}
+    for run in runs:
+        waiting = sum(tokens_of(q.op, None) for q in run.queue.values() if not q.rejected)
+        tokens[run.base_model] = tokens.get(run.base_model, 0) + waiting
+    return tokens
+
+
+def queue_depths(runs: Iterable[Run], samples: Iterable[Queued]) -> dict[str, int]:
+    """Waiting requests per base model (training queues and samples)."""
+    depths: dict[str, int] = {}
+    for run in runs:
+        depths[run.base_model] = depths.get(run.base_model, 0) + len(run.queue)
+    for queued in samples:
+        depths[queued.op.base_model] = depths.get(queued.op.base_model, 0) + 1
+    return depths

@@ -3,58 +3,42 @@ requests as their results come in.
 
 All request state lives in this actor, so acceptance, selection and completion never race. The decisions are
 made by pieces that change nothing themselves: `Admission` (is this request valid and whose), `PoolPlanner`
-(how the pool holds a base model); `ResultRouter` logs and delivers answers. Cycles run in `CycleRunner` (its
-own task), which asks this actor for work at every tick.
+(where the base models are placed and how each is split); `ResultRouter` logs and delivers answers. Each group's
+cycles run in its `CycleRunner` (its own task), which exchanges one plan and one outcome with this actor per
+cycle (`schedule`, `update`: `bios.coordinator.exchange`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from bios import ids
 from bios import messages as m
 from bios import types as t
 from bios.actors.actor import Actor
-from bios.actors.remote import RemoteError
-from bios.exceptions import BadRequestError, NotFoundError, RequestFailedError
+from bios.exceptions import BadRequestError, RemoteError, RequestFailedError
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec
 
-from .admission import Admission, Fresh, Refused, Repeat, Sampler, Submit, run_for
-from .mailbox import (
-    Adapters,
-    Committed,
-    CycleEnded,
-    Finished,
-    Formed,
-    GroupLayout,
-    Layout,
-    Place,
-    PlanDescriptions,
-    Query,
-    NotifyWaiting,
-    QueueDepth,
-    Recovered,
-    RunsLost,
-    ExpireGaps,
-    SelectWork,
-    Stalled,
-    Watch,
-)
+from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
 from .disk import is_disk_full
-from .metrics import CoordinatorMetrics, tokens_of
+from .exchange import CycleOutcome, CyclePlan, GroupLayout
+from .metrics import CoordinatorMetrics
+from .placement import Placement
 from .planning import PoolPlanner, Workers
 from .recovery import restore
-from .retries import killed_twice, stalled_once, stalled_twice
+from .requeue import CycleWork, requeue
 from .results import Push, ResultRouter
-from .runs import Queued, Run, stored_config
+from .retries import LOST, killed_once
+from .runs import Queued, Run, queue_depths, queued_tokens, stored_config
+from .samplers import SamplerSessions
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -67,16 +51,6 @@ class SchedulerConfig:
 
 
 RECOVERED = -1  # the cycle id results recovered from a worker are recorded under
-
-
-@dataclass
-class CycleWork:
-    """What the scheduler keeps of one running cycle: its items' ops, the runs it took work from, and the
-    answers held until the cycle ends."""
-
-    ops: dict[str, Any]  # request id -> op
-    runs: set[str]  # model ids
-    answers: list[m.ItemDone] = field(default_factory=list)
 
 
 class Scheduler(Actor):
@@ -95,7 +69,7 @@ class Scheduler(Actor):
         self.autosave = AutoSave(catalog, self.config.checkpoint_every, self.config.keep_checkpoints)
         self.codec = codec
         self.runs: dict[str, Run] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self.samplers = SamplerSessions(store, catalog)
         self.samples: list[Queued] = []
         # The cycles running now (one per group at most), by cycle id. Answers are given when their cycle is
         # over: by then the state that produced them is committed on every replica, recorded (its checksums) in
@@ -103,12 +77,13 @@ class Scheduler(Actor):
         self.cycles: dict[int, CycleWork] = {}
         self.committed: dict[str, float] = {}  # each adapter's checksum after its group's last commit
         self.base_infos: dict[str, t.BaseModelInfo] = {}
+        self._cycle_ids = itertools.count(1)  # one numbering for every group's cycles
 
     async def started(self) -> None:
         """Carry on where the state dir says the last coordinator stopped."""
         self.committed = dict(self.store.committed())
         restored = restore(self.store, self.codec, self.admission)
-        self.runs, self.samplers, self.samples = restored.runs, restored.samplers, restored.samples
+        self.runs, self.samplers.by_id, self.samples = restored.runs, restored.samplers, restored.samples
         self.autosave.steps, self.base_infos = restored.steps, restored.infos
         for request_id, op, error in restored.failed:
             await self.results.deliver(request_id, op, None, error)
@@ -121,84 +96,11 @@ class Scheduler(Actor):
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
 
-    async def receive(self, message: Any) -> Any:
-        if isinstance(message, Submit):
-            return await self._submit(message)
-        if isinstance(message, SelectWork):
-            return self._select(message.cycle_id, message.models)
-        if isinstance(message, m.SampleProgress):
-            return await self.results.progress(message)
-        if isinstance(message, Finished):
-            return await self._finished(message.done)
-        if isinstance(message, CycleEnded):
-            return await self._cycle_ended(message)
-        if isinstance(message, Query):
-            return self._query(message.owner, message.body)
-        if isinstance(message, Adapters):
-            return [m.AdapterSpec(r.model_id, r.base_model, r.lora, r.optimizer)
-                    for r in self.runs.values() if r.status == "ready" and r.base_model in message.models]
-        if isinstance(message, Place):
-            self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
-            await self._plan_waiting()
-            return self.planner.replace(self._queued_tokens())
-        if isinstance(message, Layout):
-            group = self.planner.placement.group(message.group_id)
-            if group is None:
-                return None
-            return GroupLayout(group.tp, tuple(self.planner.model_plans(group)), group.workers, group.models)
-        if isinstance(message, Formed):
-            self.planner.placement = self.planner.placement.formed(message.group_id, message.workers)
-            return None
-        if isinstance(message, PlanDescriptions):
-            return self.planner.descriptions()
-        if isinstance(message, RunsLost):
-            return await self._runs_lost(message.model_ids)
-        if isinstance(message, Committed):
-            return self._committed(message)
-        if isinstance(message, Recovered):
-            return await self._recovered(message.results)
-        if isinstance(message, Watch):
-            return await self._watch(message)
-        if isinstance(message, ExpireGaps):
-            return await self._expire_gaps(message.gap_s)
-        if isinstance(message, Stalled):
-            return [why for run in self.runs.values() if (why := run.stalled(message.older_than_s)) is not None]
-        if isinstance(message, NotifyWaiting):
-            models = message.models
-            waiting = [q.request_id for run in self.runs.values() if models is None or run.base_model in models
-                       for q in run.queue.values()]
-            samples = [q.request_id for q in self.samples
-                       if models is None or self._samples_on(q.op.base_model, models)]
-            for request_id in waiting + samples:
-                await self.results.notify(request_id, message.message)
-            return None
-        if isinstance(message, QueueDepth):
-            if message.by_pool:
-                return self._queue_depths()
-            return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
-        raise TypeError(f"scheduler got unexpected {type(message).__name__}")
+    # ------------------------------------------------------------------------------------ the front door
 
-    def _queued_tokens(self) -> dict[str, int]:
-        """Tokens waiting in the training queues, per base model (a refused request holds a place, not work)."""
-        tokens: dict[str, int] = {}
-        for run in self.runs.values():
-            tokens[run.base_model] = tokens.get(run.base_model, 0) + sum(tokens_of(q.op, None)
-                                                                         for q in run.queue.values() if not q.rejected)
-        return tokens
-
-    def _queue_depths(self) -> dict[str, int]:
-        """Waiting requests per base-model pool (training queues and samples)."""
-        depths: dict[str, int] = {}
-        for run in self.runs.values():
-            depths[run.base_model] = depths.get(run.base_model, 0) + len(run.queue)
-        for queued in self.samples:
-            depths[queued.op.base_model] = depths.get(queued.op.base_model, 0) + 1
-        return depths
-
-    # ------------------------------------------------------------------------------------ accept
-
-    async def _submit(self, sub: Submit) -> m.Accepted:
-        verdict = self.admission.admit(sub, self.runs, self.samplers, self.base_infos)
+    async def submit(self, sub: Submit) -> m.Accepted:
+        """Admit a request: accepted (queued, its answer pushed when it has run), repeated, or refused."""
+        verdict = self.admission.admit(sub, self.runs, self.samplers.by_id, self.base_infos)
         if isinstance(verdict, Repeat):
             return await self.results.repeat(sub.peer, verdict.stored)
         if isinstance(verdict, Fresh):
@@ -214,6 +116,118 @@ class Scheduler(Actor):
             run.enqueue(verdict.seq_id, Queued(verdict.request_id, verdict.op, rejected=True))
             self.on_work()
         raise verdict.error
+
+    async def watch(self, peer: bytes, owner: str, request_id: str) -> m.Ack:
+        """`peer` wants the result of a request it sent before this coordinator started (the HTTP gateway after
+        a restart): pushed now if it is logged, else when it comes."""
+        return await self.results.watch(peer, owner, request_id)
+
+    async def sample_progress(self, progress: m.SampleProgress) -> None:
+        await self.results.progress(progress)
+
+    # ------------------------------------------------------------------------------------ the groups
+
+    async def place(self) -> Placement:
+        """Place the base models anew on the live workers (`bios.coordinator.placement`)."""
+        self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
+        await self._plan_waiting()
+        return self.planner.replace(queued_tokens(self.runs.values()))
+
+    def schedule(self, group_id: str, formed: GroupLayout | None) -> CyclePlan:
+        """One tick of a group: its layout and adapters, and, when its generation was `formed` for this layout,
+        the next cycle's items."""
+        group = self.planner.placement.group(group_id)
+        if group is None:
+            return CyclePlan(None)
+        layout = GroupLayout(group.tp, tuple(self.planner.model_plans(group)), group.workers, group.models)
+        adapters = tuple(m.AdapterSpec(r.model_id, r.base_model, r.lora, r.optimizer)
+                         for r in self.runs.values() if r.status == "ready" and r.base_model in group.models)
+        if not layout.same_shape(formed):
+            return CyclePlan(layout, adapters)
+        cycle_id = next(self._cycle_ids)
+        return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models)))
+
+    async def update(self, outcome: CycleOutcome) -> None:
+        """A cycle ended: record its results (automatic checkpoints first), its adapters' checksums, then answer
+        its requests and requeue what it did not finish."""
+        work = self.cycles.pop(outcome.cycle_id, CycleWork({}, set()))
+        answers = [answer for done in outcome.results if (answer := await self._finished(work, done)) is not None]
+        self._committed(outcome.models, outcome.committed)
+        await self._answer(work, answers)
+        await self._cycle_ended(work, outcome)
+
+    def formed(self, group_id: str, workers: tuple[str, ...], models: tuple[str, ...],
+               checksums: dict[str, float]) -> None:
+        """Group `group_id` formed a generation of `workers` (in rank order) holding its adapters as `checksums`."""
+        self.planner.placement = self.planner.placement.formed(group_id, workers)
+        self._committed(models, checksums)
+
+    async def recovered(self, results: tuple[m.ItemDone, ...]) -> None:
+        """Record what a worker reports of a committed cycle this coordinator's log stops just before."""
+        work = CycleWork({}, set())
+        for done in results:
+            request = ids.RequestId.parse(done.request_id)
+            if request.automatic:
+                if isinstance(done.result, m.SavedState):
+                    self.autosave.write(automatic_save(request.target, request.seq), done.result, done.request_id,
+                                        self._owner_of(request.target))
+                continue
+            run = self.runs.get(request.target)
+            queued = run.ran_elsewhere(request.seq) if run is not None else None
+            if run is None or queued is None:
+                continue
+            if isinstance(queued.op, m.OptimStep) and done.error is None:
+                self.autosave.steps[run.model_id] = self.autosave.steps.get(run.model_id, 0) + 1
+            work.ops[done.request_id] = queued.op
+            log.info("recorded %s from a worker that committed it before the coordinator restarted",
+                     done.request_id)
+            answer = await self._finished(work, dataclasses.replace(done, cycle_id=RECOVERED))
+            await self._answer(work, [answer] if answer is not None else [])
+
+    async def runs_lost(self, model_ids: tuple[str, ...]) -> None:
+        """These runs' state died with the workers that held it and no checkpoint can bring it back."""
+        for model_id in model_ids:
+            run = self.runs.get(model_id)
+            if run is None:
+                continue
+            run.status, run.lost_reason = "lost", LOST
+            self.store.set_run_status(model_id, "lost")
+            await self._fail_queue(run, RemoteError("RequestFailedError", f"training run {model_id} was lost: {LOST}"))
+
+    # ------------------------------------------------------------------------------------ the watchdog and status
+
+    async def notify_waiting(self, message: str, models: tuple[str, ...] | None = None) -> None:
+        """Tell the clients of every waiting request on `models` (None: every one) why it waits: a Notice each."""
+        waiting = [q.request_id for run in self.runs.values() if models is None or run.base_model in models
+                   for q in run.queue.values()]
+        placement = self.planner.placement
+        samples = [q.request_id for q in self.samples if models is None or placement.samples(q.op.base_model, models)]
+        for request_id in waiting + samples:
+            await self.results.notify(request_id, message)
+
+    async def expire_gaps(self, gap_s: float) -> None:
+        """Withdraw the requests that have waited `gap_s` behind a seq_id that never came."""
+        for run in self.runs.values():
+            for queued, why in run.expire_gap(gap_s):
+                await self.results.withdraw(queued.request_id, queued.op, RemoteError(
+                    "BadRequestError", why, field="seq_id", request_id=queued.request_id))
+
+    def stalled(self, older_than_s: float) -> list[str]:
+        """Why requests queued longer than `older_than_s` have not run: one line per run."""
+        return [why for run in self.runs.values() if (why := run.stalled(older_than_s)) is not None]
+
+    def queue_depth(self) -> int:
+        return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
+
+    def plan_descriptions(self) -> dict[str, str]:
+        """Base model -> its plan and estimate, for `bios status`."""
+        return self.planner.descriptions()
+
+    def queue_depths(self) -> dict[str, int]:
+        """Waiting requests per base model (training queues and samples)."""
+        return queue_depths(self.runs.values(), self.samples)
+
+    # ------------------------------------------------------------------------------------ accept
 
     def _unaccept(self, fresh: Fresh, exc: RequestFailedError) -> Refused:
         """A request the request log could not take: a new run is undone; any other request uses up its seq_id."""
@@ -279,11 +293,13 @@ class Scheduler(Actor):
 
     # ------------------------------------------------------------------------------------ cycles
 
-    def _committed(self, committed: Committed) -> None:
-        """A group's adapters as last committed (none known under tensor parallelism): the others' stay."""
+    def _committed(self, models: tuple[str, ...], checksums: dict[str, float]) -> None:
+        """The adapters of a group's base `models` as last committed (none known under tensor parallelism),
+        kept in the state dir, so a restarted coordinator knows which rejoining workers hold the current state;
+        other groups' entries stay."""
         self.committed = {model_id: checksum for model_id, checksum in self.committed.items()
-                          if (run := self.runs.get(model_id)) is not None and run.base_model not in committed.models}
-        self.committed.update(committed.checksums)
+                          if (run := self.runs.get(model_id)) is not None and run.base_model not in models}
+        self.committed.update(checksums)
         self.store.set_committed(dict(self.committed))
 
     def _select(self, cycle_id: int, models: tuple[str, ...]) -> list[m.WorkItem]:
@@ -298,7 +314,7 @@ class Scheduler(Actor):
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
         if alone is None:
-            mine = [q for q in self.samples if self._samples_on(q.op.base_model, models)]
+            mine = [q for q in self.samples if self.planner.placement.samples(q.op.base_model, models)]
             items.extend(m.WorkItem(q.request_id, q.op) for q in mine)
             self.samples = [q for q in self.samples if q not in mine]
         work = CycleWork({item.request_id: item.op for item in items}, {run.model_id for run in live})
@@ -309,24 +325,16 @@ class Scheduler(Actor):
             self.on_work()
         return items
 
-    def _samples_on(self, base_model: str, models: tuple[str, ...]) -> bool:
-        """Whether a group of `models` samples `base_model`: its own, or any model no group holds (the first
-        group's workers load it for the sample)."""
-        if base_model in models:
-            return True
-        placement = self.planner.placement
-        return placement.group_of_model(base_model) is None and bool(placement.groups) and \
-            placement.groups[0].models == models
-
-    async def _finished(self, done: m.ItemDone) -> None:
+    async def _finished(self, work: CycleWork, done: m.ItemDone) -> m.ItemDone | None:
+        """Record one item's result (an automatic checkpoint's is written now); returns the answer its client
+        gets, None for an automatic item."""
         request_id = done.request_id
-        work = self.cycles.get(done.cycle_id)
-        op = work.ops.get(request_id) if work is not None else None
+        op = work.ops.get(request_id)
         result, error = done.result, done.error
         if isinstance(result, m.SavedState) and isinstance(op, m.SaveWeights):
             result, error = self.autosave.write(op, result, request_id, self._owner_of(op.model_id))
-        if ids.is_automatic(request_id) or work is None:
-            return
+        if ids.is_automatic(request_id) or op is None:
+            return None
         run = self.runs.get(ids.target_of(request_id))
         if run is not None and isinstance(op, m.CreateModel):
             if error is not None:
@@ -335,93 +343,33 @@ class Scheduler(Actor):
                 run.info, run.status, run.lora_targets = result.info, "ready", result.lora_targets
                 self.base_infos[run.base_model] = result.info
                 self.store.set_run_status(run.model_id, "ready", dataclasses.asdict(result.info))
-        work.answers.append(m.ItemDone(done.cycle_id, request_id, result, error))
+        return m.ItemDone(done.cycle_id, request_id, result, error)
 
-    async def _answer(self, work: CycleWork) -> None:
+    async def _answer(self, work: CycleWork, answers: list[m.ItemDone]) -> None:
         """Log and push the answers of a cycle that ended (in the order they were reported)."""
-        for done in work.answers:
+        for done in answers:
             await self.results.deliver(done.request_id, work.ops.get(done.request_id), done.result, done.error,
                                        done.cycle_id)
-        work.answers.clear()
-
-    async def _watch(self, watch: Watch) -> m.Ack:
-        target = ids.target_of(watch.request_id)
-        run = self.store.get_run(target)
-        sampler = self.store.get_sampling_session(target)
-        owner = run.owner if run is not None else sampler[0] if sampler is not None else None
-        stored = self.store.get_request(watch.request_id)
-        if stored is None or owner != watch.owner:
-            raise NotFoundError(f"no request {watch.request_id!r}", field="request_id")
-        await self.results.repeat(watch.peer, stored)
-        return m.Ack()
 
     def _owner_of(self, model_id: str) -> str:
         run = self.runs.get(model_id)
         return run.owner if run is not None else ""
 
-    async def _recovered(self, results: tuple[m.ItemDone, ...]) -> None:
-        """Record what a worker reports of a committed cycle this coordinator's log stops just before."""
-        work = self.cycles[RECOVERED] = CycleWork({}, set())
-        for done in results:
-            request = ids.RequestId.parse(done.request_id)
-            if request.automatic:
-                if isinstance(done.result, m.SavedState):
-                    self.autosave.write(automatic_save(request.target, request.seq), done.result, done.request_id,
-                                        self._owner_of(request.target))
-                continue
-            run = self.runs.get(request.target)
-            queued = run.queue.get(request.seq) if run is not None else None
-            if run is None or queued is None or queued.rejected:
-                continue
-            del run.queue[request.seq]
-            run.next_seq = request.seq + 1
-            for seq_id in [s for s in run.queue if s < run.next_seq]:  # refused ones it passed
-                del run.queue[seq_id]
-            if isinstance(queued.op, m.OptimStep) and done.error is None:
-                self.autosave.steps[run.model_id] = self.autosave.steps.get(run.model_id, 0) + 1
-            work.ops[done.request_id] = queued.op
-            log.info("recorded %s from a worker that committed it before the coordinator restarted",
-                     done.request_id)
-            await self._finished(dataclasses.replace(done, cycle_id=RECOVERED))
-        await self._answer(work)
-        del self.cycles[RECOVERED]
-
-    async def _cycle_ended(self, ended: CycleEnded) -> None:
-        work = self.cycles.pop(ended.cycle_id, CycleWork({}, set()))
-        await self._answer(work)
-        died = ended.aborted and ended.worker_died
-        if not ended.aborted:
-            ran: dict[str, int] = {}
-            for op in work.ops.values():
-                run = self.runs.get(getattr(op, "model_id", ""))
-                if run is not None:
-                    ran[run.base_model] = ran.get(run.base_model, 0) + tokens_of(op, None)
-            self.planner.ran(ran)
-        for run in (self.runs[model_id] for model_id in work.runs if model_id in self.runs):
-            if not ended.aborted:
-                run.cycle_committed()
-                continue
-            returned = run.cycle_aborted(set(ended.finished), worker_died=died, stalled=ended.stalled)
-            for queued in returned.given_up:
-                why = (killed_twice(queued, self.planner.budgets()) if queued.deaths >= queued.stalls
-                       else stalled_twice(queued, ended.why))
-                await self.results.deliver(queued.request_id, queued.op, None,
-                                           RemoteError("RequestFailedError", why, request_id=queued.request_id))
-            for queued in returned.retried if ended.stalled else ():
-                await self.results.notify(queued.request_id, stalled_once(ended.why))
-        if died:
+    async def _cycle_ended(self, work: CycleWork, outcome: CycleOutcome) -> None:
+        """Act on what becomes of the cycle's work (`requeue`)."""
+        verdict = requeue(work, outcome, self.runs, self.planner.budgets())
+        if not outcome.aborted:
+            self.planner.ran(verdict.ran)
+        for queued, why in verdict.failed:
+            await self.results.deliver(queued.request_id, queued.op, None,
+                                       RemoteError("RequestFailedError", why, request_id=queued.request_id))
+        for queued, notice in verdict.notices:
+            await self.results.notify(queued.request_id, notice)
+        if outcome.aborted and outcome.worker_died:
             await self._retry_smaller()
-        if ended.aborted:
-            self.samples = [Queued(rid, op) for rid, op in work.ops.items()
-                            if isinstance(op, m.Sample) and rid not in ended.finished] + self.samples
+        self.samples[:0] = verdict.samples
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
-
-    async def _expire_gaps(self, gap_s: float) -> None:
-        for run in self.runs.values():
-            for queued, why in run.expire_gap(gap_s):
-                await self.results.withdraw(queued.request_id, queued.op, RemoteError(
-                    "BadRequestError", why, field="seq_id", request_id=queued.request_id))
 
     async def _retry_smaller(self) -> None:
         """A worker died inside the cycle (killed, or out of memory): its requests run once more, in smaller
@@ -430,53 +378,16 @@ class Scheduler(Actor):
                    if q.deaths == 1 and not q.rejected]
         shrunk = self.planner.shrink_passes({run.base_model for run, _ in retried})
         for _, queued in retried:
-            await self.results.notify(queued.request_id, (
-                "a worker died while running this request (killed, or out of memory); it runs again"
-                + (f" in passes of at most {shrunk} tokens" if shrunk else "")
-                + (" when a worker is connected" if not self.planner.workers() else "")))
-
-    async def _runs_lost(self, model_ids: tuple[str, ...]) -> None:
-        for model_id in model_ids:
-            run = self.runs.get(model_id)
-            if run is None:
-                continue
-            run.status = "lost"
-            run.lost_reason = ("its state died with every worker that held it and it has no automatic checkpoint "
-                               "(start the coordinator with --checkpoint-every N); create a new run or load a "
-                               "saved state with create_training_client_from_state")
-            self.store.set_run_status(model_id, "lost")
-            await self._fail_queue(run, RemoteError("RequestFailedError",
-                                                    f"training run {model_id} was lost: {run.lost_reason}"))
+            await self.results.notify(queued.request_id, killed_once(shrunk, bool(self.planner.workers())))
 
     # ------------------------------------------------------------------------------------ queries
 
-    def _query(self, owner: str, body: Any) -> Any:
-        if isinstance(body, m.GetInfo):
-            run = run_for(self.runs, body.model_id, owner)
-            return run.describe(self.planner.describe(run.base_model))
-        if isinstance(body, m.CreateSamplingSession):
-            return self._create_sampler(owner, body)
-        if isinstance(body, m.GetSamplingSession):
-            sampler = self.samplers.get(body.sampling_session_id)
-            if sampler is None or sampler.owner != owner:
-                raise NotFoundError(f"no sampling session {body.sampling_session_id!r}; create one with "
-                                    "create_sampling_client", field="sampling_session_id")
-            return m.SamplingSession(body.sampling_session_id, sampler.base_model, sampler.model_path)
-        raise BadRequestError(f"the scheduler does not answer {type(body).__name__}", field="kind")
+    def get_info(self, owner: str, body: m.GetInfo) -> t.GetInfoResponse:
+        run = run_for(self.runs, body.model_id, owner)
+        return run.describe(self.planner.describe(run.base_model))
 
-    def _create_sampler(self, owner: str, body: m.CreateSamplingSession) -> m.SamplingSession:
-        if self.store.session_owner(body.session_id) != owner:
-            raise NotFoundError(f"no session {body.session_id!r}: create samplers through a ServiceClient",
-                                field="session_id")
-        if body.model_path is None and not body.base_model:
-            raise BadRequestError("give a model_path (a sampler checkpoint) or a base_model", field="model_path")
-        base_model, model_path = body.base_model, None
-        if body.model_path is not None:
-            record = self.catalog.find_readable(body.model_path, owner, field="model_path")
-            model_path = record.path
-            run = self.store.get_run(record.run_id)
-            base_model = run.base_model if run is not None else base_model
-        sampling_session_id = ids.sampler_id(body.session_id, body.sampling_session_seq_id)
-        self.samplers[sampling_session_id] = Sampler(owner, str(base_model), model_path)
-        self.store.add_sampling_session(sampling_session_id, owner, str(base_model), model_path)
-        return m.SamplingSession(sampling_session_id, str(base_model), model_path)
+    def get_sampler(self, owner: str, body: m.GetSamplingSession) -> m.SamplingSession:
+        return self.samplers.get(owner, body)
+
+    def create_sampler(self, owner: str, body: m.CreateSamplingSession) -> m.SamplingSession:
+        return self.samplers.create(owner, body)

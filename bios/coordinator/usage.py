@@ -72,7 +72,7 @@ class Usage:
 
     # ------------------------------------------------------------------------------------ recording
 
-    def record(self, op: Any, result: Any) -> None:
+    def record(self, op: m.Request | None, result: Any) -> None:
         """Count a finished request's tokens against the key that owns its run or sampling session."""
         if isinstance(op, m.ForwardBackward) and isinstance(result, t.ForwardBackwardOutput):
             run = self.store.get_run(op.model_id)

@@ -14,7 +14,6 @@ from typing import Any
 from bios.actors.actor import ActorRef
 
 from .front_door import FrontDoor
-from .mailbox import ExpireGaps, NotifyWaiting, QueueDepth, Stalled
 
 NO_WORKER = ("no worker is connected (the cluster's workers left or died): it runs when one joins; `bios status` "
              "shows the workers, and `bios-worker --coordinator ADDRESS` starts one")
@@ -23,6 +22,7 @@ NO_WORKER_YET = ("no worker has joined yet: it runs when one does (workers that 
                  "have started; elsewhere start one with `bios-worker --coordinator ADDRESS`)")
 PROGRESS_EVERY_S = 30.0  # the longest pause between progress checks (and so between NO_WORKER notices)
 from .membership import Membership
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Watchdog:
         forever by a lost request (their clients are told which seq_id to resend)."""
         while True:
             await asyncio.sleep(min(1.0, self.seq_gap_s / 4))
-            await self.scheduler.ask(ExpireGaps(self.seq_gap_s))
+            await self.scheduler.ask(Scheduler.expire_gaps, self.seq_gap_s)
 
     async def watch_progress(self) -> None:
         """Report queues that make no progress, close sessions nobody heard from for the session timeout and
@@ -70,13 +70,13 @@ class Watchdog:
         interval = min(PROGRESS_EVERY_S, self.stalled_after_s / 2)
         while True:
             await asyncio.sleep(interval)
-            for why in await self.scheduler.ask(Stalled(self.stalled_after_s)):
+            for why in await self.scheduler.ask(Scheduler.stalled, self.stalled_after_s):
                 log.warning("no progress: %s", why)
-            waiting = await self.scheduler.ask(QueueDepth())
+            waiting = await self.scheduler.ask(Scheduler.queue_depth)
             if waiting and not self.membership.alive():
                 why = NO_WORKER if self.membership.members else NO_WORKER_YET
                 log.warning("%d request(s) wait: %s", waiting, why)
-                await self.scheduler.ask(NotifyWaiting(why))
+                await self.scheduler.ask(Scheduler.notify_waiting, why)
             for session_id in self.front_door.expire_sessions(self.session_timeout_s):
                 log.info("session %s closed: nothing heard from it for %.0fs", session_id, self.session_timeout_s)
             for path in self.front_door.expire_checkpoints():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bios import messages as m
-from bios.actors.remote import RemoteError
+from bios.exceptions import RemoteError
 from bios.coordinator.watchdog import PROGRESS_EVERY_S
 
 from . import json_wire

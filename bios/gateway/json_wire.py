@@ -17,9 +17,8 @@ from typing import Any
 from bios import messages as m
 from bios import types as t
 from bios.account import check_user_metadata
-from bios.actors.remote import RemoteError
 from bios.checkpoint_path import CheckpointPath
-from bios.exceptions import ERROR_TYPES, BadRequestError
+from bios.exceptions import ERROR_TYPES, BadRequestError, RemoteError
 
 # Reductions the SDK's chunk combiner knows; a metric with any other suffix is dropped by the client.
 REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash2", "unique"})

@@ -276,11 +276,11 @@ class OpenAICompat:
     async def _sample(self, owner: str, sampler: _Sampler, prompt: list[int], req: wire.CompletionRequest,
                       progress: Callable[[m.SampleProgress], None] | None = None) -> t.SampleResponse:
         seq_id = next(sampler.seqs)
-        request_id = ids.request_id(sampler.sampling_session_id, seq_id)
         want = req.logprobs is not None
         op = m.Sample(sampler.sampling_session_id, seq_id, t.ModelInput.from_ints(prompt), req.samples, req.params,
                       prompt_logprobs=req.echo and want, topk_prompt_logprobs=(req.logprobs or 0) if req.echo else 0,
                       topk_sample_logprobs=req.logprobs or 0, stream=progress is not None)
+        request_id = ids.request_id_of(op)
         future = asyncio.get_running_loop().create_future()
         self.waiting[request_id] = future
         if progress is not None:

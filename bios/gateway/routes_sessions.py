@@ -18,7 +18,7 @@ from bios import messages as m
 from bios.coordinator.labels import DEFAULT_PROJECT, SessionSummary
 from bios.coordinator.server import Coordinator
 from bios.exceptions import BadRequestError, NotFoundError
-from bios.sdk.run_trace import chrome_trace
+from bios.run_trace import chrome_trace
 
 from .http_io import API, CALLER, OWNER, http_error, json_body, query_int, rfc3339
 from .signed_urls import PREFIX, SignedUrls

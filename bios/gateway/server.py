@@ -22,9 +22,8 @@ from aiohttp import web
 from bios import ids
 from bios import messages as m
 from bios.account import check_ttl
-from bios.actors.remote import RemoteError
 from bios.coordinator.server import Coordinator
-from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError
+from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError, RemoteError
 from bios.security.listen import check_http
 
 from . import json_wire, proto
@@ -61,18 +60,6 @@ class GatewayConfig:
             poll_s=float(env.get("BIOS_GATEWAY_POLL_S", default.poll_s)),
             max_pending=int(env.get("BIOS_GATEWAY_MAX_PENDING", default.max_pending)),
         )
-
-
-def _model_id(op: Any) -> str:
-    if isinstance(op, (m.CreateModel)):
-        return ids.run_id(op.session_id, op.model_seq_id)
-    return op.model_id
-
-
-def _request_id(op: Any) -> str:
-    if isinstance(op, m.Sample):
-        return ids.request_id(op.sampling_session_id, op.seq_id)
-    return ids.request_id(_model_id(op), 0 if isinstance(op, m.CreateModel) else op.seq_id)
 
 
 class Gateway:
@@ -169,10 +156,10 @@ class Gateway:
     def _check_session(self, session_id: str, owner: str) -> None:
         self.front_door.check_session(session_id, owner)
 
-    async def _submit(self, op: Any, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
+    async def _submit(self, op: m.Request, owner: str, render: Callable[[Any], Awaitable[Reply]]) -> str:
         """Hand an op to the coordinator now; its promise exists before any result can arrive."""
         self._check_capacity()
-        request_id = _request_id(op)
+        request_id = ids.request_id_of(op)
         self.promises.expect(request_id, owner, render)
         try:
             await self.front_door.submit(self.peer, op, owner)
@@ -192,7 +179,7 @@ class Gateway:
                 lambda f: f.cancelled() or f.exception())
 
     async def _ordered(self, request: web.Request, body: json_wire.Body,
-                       parse: Callable[[json_wire.Body], tuple[Any, Any]]) -> web.Response:
+                       parse: Callable[[json_wire.Body], tuple[m.Request, Any]]) -> web.Response:
         """Parse and submit a run's JSON request; one refused here still uses up its seq_id. Requests go to the
         coordinator as they come: it runs a run's requests in seq_id order, however they arrive."""
         owner = request[OWNER]
@@ -230,7 +217,7 @@ class Gateway:
     async def create_model(self, request: web.Request) -> web.Response:
         op, owner = json_wire.create_model(await json_body(request)), request[OWNER]
         self._check_session(op.session_id, owner)
-        model_id = _model_id(op)
+        model_id = op.target
         request_id = await self._submit(op, owner, self.renders.created)
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
@@ -295,7 +282,7 @@ class Gateway:
             return await self._ordered(request, body, lambda b: (json_wire.load_weights(b), self.renders.loaded))
         op = json_wire.load_weights(body)
         self._check_session(op.session_id, owner)
-        model_id = _model_id(op)
+        model_id = op.target
         request_id = await self._submit(op, owner, partial(self.renders.created_from, op.from_path))
         return web.json_response({"request_id": request_id, "model_id": model_id})
 

@@ -24,11 +24,13 @@ import bios
 from bios import exceptions
 from bios import messages as m
 from bios.actors import loop as event_loop
-from bios.actors.remote import RemoteCallError, RemoteError, RemoteRef
+from bios.actors.remote import RemoteCallError, RemoteRef
+from bios.exceptions import RemoteError
 from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, HandshakeWatch
 from bios.security.keys import ApiKey
 from bios.transport.codec import Envelope
 from bios.transport.sockets import Dealer
+from bios.wire import make_codec
 
 from .address import explain_unreachable, normalize_address
 
@@ -68,12 +70,12 @@ class Connection:
         self._thread.start()
         self._results: dict[str, concurrent.futures.Future[Any]] = {}
         self._early: dict[str, m.RequestDone] = {}
-        self._unanswered: dict[str, Any] = {}  # accepted requests with no result yet: resent after a reconnect
+        self._unanswered: dict[str, m.Request] = {}  # accepted requests with no result yet: resent after a reconnect
         self._api_key = api_key or None
         self._reconnecting: asyncio.Future[None] | None = None
         self._closed = False
         self.rate_limited = 0  # requests resent after a RateLimitError, for load reports
-        self.codec = m.make_codec()
+        self.codec = make_codec()
         try:
             welcome = self.run(self._open(connect_timeout_s), timeout=connect_timeout_s + 5)
         except BaseException:
@@ -134,7 +136,7 @@ class Connection:
     def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def submit(self, op: Any, request_id: str) -> tuple[concurrent.futures.Future[Any], concurrent.futures.Future[Any]]:
+    def submit(self, op: m.Request, request_id: str) -> tuple[concurrent.futures.Future[Any], concurrent.futures.Future[Any]]:
         """Send a request now; returns (accepted, result) futures."""
         if self._closed:
             raise exceptions.APIConnectionError("this ServiceClient is closed")
@@ -142,7 +144,7 @@ class Connection:
         accepted = self.spawn(self._submit(op, request_id, result))
         return accepted, result
 
-    async def _submit(self, op: Any, request_id: str, result: concurrent.futures.Future[Any]) -> m.Accepted:
+    async def _submit(self, op: m.Request, request_id: str, result: concurrent.futures.Future[Any]) -> m.Accepted:
         early = self._early.pop(request_id, None)
         if early is not None:
             _resolve(result, early)
@@ -165,7 +167,7 @@ class Connection:
                 result.set_exception(exc)
             raise
 
-    async def _ask_with_retries(self, op: Any) -> Any:
+    async def _ask_with_retries(self, op: m.Request) -> Any:
         """Resend a request refused for backpressure: a refusal uses up nothing, so order and once-only hold."""
         resent = 0
         while True:
@@ -281,7 +283,7 @@ class Connection:
         for op in list(self._unanswered.values()):
             asyncio.ensure_future(self._resend(op))
 
-    async def _resend(self, op: Any) -> None:
+    async def _resend(self, op: m.Request) -> None:
         try:
             await self._ask(op)
         except Exception as exc:  # its result (or error) still arrives as a push, or the patience runs out

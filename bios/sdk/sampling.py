@@ -60,10 +60,10 @@ class SamplingClient:
         params = sampling_params if sampling_params is not None else t.SamplingParams()
         with self._lock:
             seq_id = next(self._seq)
-            request_id = ids.request_id(self.sampling_session_id, seq_id)
             op = m.Sample(self.sampling_session_id, seq_id, prompt, num_samples, params, include_prompt_logprobs,
                           topk_prompt_logprobs=topk_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
                           topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs)
+            request_id = ids.request_id_of(op)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 

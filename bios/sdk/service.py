@@ -140,7 +140,7 @@ class ServiceClient:
             model_seq_id = next(self._model_seq)
             op = m.CreateModel(self.session_id, model_seq_id, base_model, lora, from_path, with_optimizer,
                                optimizer=optimizer, user_metadata=metadata)
-            request_id = ids.request_id(ids.run_id(self.session_id, model_seq_id), 0)
+            request_id = ids.request_id_of(op)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 

@@ -51,7 +51,7 @@ class TrainingClient:
         with self._seq_lock:
             seq_id = next(self._seq)
             op = build(seq_id)
-            request_id = ids.request_id(self.model_id, seq_id)
+            request_id = ids.request_id_of(op)
             accepted, result = self._conn.submit(op, request_id)
         return APIFuture(result, accepted, request_id)
 
@@ -125,7 +125,7 @@ class TrainingClient:
             first = next(self._seq)
             second = next(self._seq)
             fwd_op = m.ForwardBackward(self.model_id, first, stripped, "cross_entropy", None, True)
-            accepted, forward = self._conn.submit(fwd_op, ids.request_id(self.model_id, first))
+            accepted, forward = self._conn.submit(fwd_op, ids.request_id_of(fwd_op))
         result: concurrent.futures.Future[t.ForwardBackwardOutput] = concurrent.futures.Future()
         forward.add_done_callback(lambda f: _CUSTOM_POOL.submit(self._custom_backward, f, batch, stripped,
                                                                 loss_fn, second, result))

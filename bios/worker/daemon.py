@@ -22,9 +22,10 @@ import zmq
 import zmq.asyncio
 
 from bios import messages as m
+from bios import wire
 from bios.actors.actor import Actor, Policy, spawn
-from bios.actors.remote import RemoteError, RemoteRef
-from bios.exceptions import AuthenticationError
+from bios.actors.remote import RemoteRef
+from bios.exceptions import AuthenticationError, RemoteError
 from bios.models import list_models
 from bios.security.handshake import MECHANISM_MISMATCH, REFUSED, UNREADABLE, HandshakeWatch
 from bios.security.keys import WorkerToken
@@ -61,11 +62,6 @@ def device_memory(device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class HeldAdapters:
-    """Ask the trainer for the checksums of the adapters it holds and what it keeps of its last cycle."""
-
-
-@dataclass(frozen=True)
 class WorkerConfig:
     coordinator: str
     device: torch.device
@@ -86,25 +82,29 @@ class Trainer(Actor):
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.last_cycle: m.HeldCycle | None = None  # what a restarted coordinator may need of the last commit
 
-    async def receive(self, message: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        if isinstance(message, HeldAdapters):  # after any queued cycle, so it reports what they left
-            holdings = await loop.run_in_executor(self.thread, self.executor.held_checksums)
-            return holdings, self.last_cycle if holdings else None
-        if isinstance(message, m.Reconfigure):
-            try:
-                checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
-            except Exception as exc:
-                if isinstance(exc, CollectiveError):  # the network, not a bug: its message says what to set
-                    log.error("%s", exc)
-                else:
-                    log.exception("could not join generation %d", message.generation)
-                await self.send(m.Reconfigured(message.generation, self.identity(), {}, error=str(exc)))
-            else:
-                await self.send(m.Reconfigured(message.generation, self.identity(), checksums))
-            return
-        assert isinstance(message, m.RunCycle)
+    async def held_adapters(self) -> tuple[dict[str, float], m.HeldCycle | None]:
+        """The checksums of the adapters it holds and what it keeps of its last cycle (asked after any queued
+        cycle, so it reports what they left)."""
+        holdings = await asyncio.get_running_loop().run_in_executor(self.thread, self.executor.held_checksums)
+        return holdings, self.last_cycle if holdings else None
 
+    async def reconfigure(self, message: m.Reconfigure) -> None:
+        """Join a new generation; the coordinator hears `Reconfigured`, with an error if it could not."""
+        loop = asyncio.get_running_loop()
+        try:
+            checksums = await loop.run_in_executor(self.thread, self.executor.reconfigure, message)
+        except Exception as exc:
+            if isinstance(exc, CollectiveError):  # the network, not a bug: its message says what to set
+                log.error("%s", exc)
+            else:
+                log.exception("could not join generation %d", message.generation)
+            await self.send(m.Reconfigured(message.generation, self.identity(), {}, error=str(exc)))
+        else:
+            await self.send(m.Reconfigured(message.generation, self.identity(), checksums))
+
+    async def run_cycle(self, message: m.RunCycle) -> None:
+        """Run one cycle, reporting each item as it finishes and `CycleDone` at the end."""
+        loop = asyncio.get_running_loop()
         reported: list[m.ItemDone] = []
 
         def report(done: m.ItemDone | m.SampleProgress) -> None:
@@ -140,7 +140,7 @@ class WorkerDaemon:
         self.base_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.worker_id = self.base_id
         self.ctx = zmq.asyncio.Context()
-        self.codec = m.make_codec()
+        self.codec = wire.make_codec()
         self.pool = ModelPool(config.device)
         self.group = CollectiveGroup(config.device, advertised_host(config.coordinator))
         self.stop_requested = asyncio.Event()
@@ -194,7 +194,7 @@ class WorkerDaemon:
 
     async def _register(self, address: str) -> asyncio.Task[None]:
         """Connect under the current worker id, register, and start heartbeats (the returned task)."""
-        holdings, last_cycle = await self.trainer.ask(HeldAdapters())
+        holdings, last_cycle = await self.trainer.ask(Trainer.held_adapters)
         dealer = Dealer(self.ctx, self.codec, identity=self.worker_id.encode(), security=self.security)
         watch = HandshakeWatch(dealer.sock)
         dealer.connect(address)
@@ -279,7 +279,7 @@ class WorkerDaemon:
         body = env.body
         if isinstance(body, (m.RunCycle, m.Reconfigure)):
             if self.trainer.running:
-                self.trainer.tell(body)
+                self.trainer.tell(Trainer.run_cycle if isinstance(body, m.RunCycle) else Trainer.reconfigure, body)
             else:
                 log.warning("leaving: %s not started here", type(body).__name__)
         elif isinstance(body, m.AbortGeneration):  # here, not in the trainer's mailbox: its thread may be waiting

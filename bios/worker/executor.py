@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 
-from bios import ids, spec
+from bios import spec
 from bios import messages as m
 from bios import types as t
-from bios.actors.remote import RemoteError
-from bios.exceptions import BadRequestError
+from bios.exceptions import BadRequestError, RemoteError
 from bios.kernels.prepacked import PrepackedWeights
 
 from . import engine
@@ -93,8 +92,7 @@ class CycleExecutor:
         closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
         # Only the adapters this cycle may change: any other one's checksum before it is the one after it (and
         # the one the worker registers with), and a worker holding many runs would fingerprint them all each cycle
-        before = self.held_checksums({*(ids.run_id(i.op.session_id, i.op.model_seq_id) for i in creates),
-                                      *(i.op.model_id for i in (*forwards, *closing))})
+        before = self.held_checksums({i.op.target for i in (*creates, *forwards, *closing)})
         if len(samples) < len(cycle.items):
             self.prepacked.release()  # training passes, loads and saves get their memory back
         touched: set[str] = set()
@@ -103,7 +101,7 @@ class CycleExecutor:
                 done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
                 if done is not None:
                     report(done)
-                touched.add(ids.run_id(item.op.session_id, item.op.model_seq_id))
+                touched.add(item.op.target)
             touched |= self._forward_phase(cycle.cycle_id, forwards, report)
             mark = time.perf_counter()
             for item in closing:
@@ -277,7 +275,7 @@ class CycleExecutor:
 
     # ------------------------------------------------------------------------------------ closing ops
 
-    def _closing_op(self, op: Any) -> Any:
+    def _closing_op(self, op: m.Request) -> Any:
         if isinstance(op, m.OptimStep):
             adapter = self.pool.adapter(op.model_id)
             spec.check_optim_params(op.adam_params, adapter.state.optimizer)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from bios.cli_support import HelpFormatter, parse_size
+from bios.cli.support import HelpFormatter, parse_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from bios import ids
 from bios import messages as m
 from bios import types as t
 from bios.exceptions import BadRequestError, NotFoundError
@@ -128,7 +127,7 @@ class ModelPool:
     def create(self, op: m.CreateModel, *, model_id: str | None = None, seed: int | None = None) -> m.ModelCreated:
         """A run's adapter. Sharded, every member of the generation must call this in the same order (the
         adapter's seed is agreed on by broadcast) unless `seed` is given (a placeholder whose state is sent)."""
-        model_id = model_id or ids.run_id(op.session_id, op.model_seq_id)
+        model_id = model_id or op.target
         base = self.base(op.base_model)
         info = shard_info(base.model)
         if info is not None:

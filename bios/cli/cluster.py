@@ -8,12 +8,12 @@ import json
 import os
 import time
 
-from bios.cli_support import CommandError
+from bios.cli.support import CommandError
+from bios.sdk.address import AddressError, explain_unreachable, normalize_address
+from bios.run_trace import chrome_trace
+from bios.sdk.service import ServiceClient
 
-from .address import AddressError, explain_unreachable, normalize_address
 from .run_report import run_summary, runs_table
-from .run_trace import chrome_trace
-from .service import ServiceClient
 
 CONNECT_TIMEOUT_S = 3.0  # with the probe and the process's start, a silent address is reported within 5 s
 

@@ -11,10 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from bios.cli_support import HelpFormatter, add_state_dir
+from bios.cli.support import HelpFormatter, add_state_dir
 from bios.exceptions import NotFoundError
-
-from .keys import TINKER_PREFIX, KeyStore
+from bios.security.keys import TINKER_PREFIX, KeyStore
 
 
 def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

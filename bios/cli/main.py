@@ -10,14 +10,14 @@ import argparse
 import sys
 
 import bios
-from bios.cli_support import USAGE_EXIT, CommandError
-from bios.demo.cli import add_demo_parser
+from bios.cli.cluster import add_cluster_parsers
+from bios.cli.demo import add_demo_parser
+from bios.cli.keys import add_keys_parser
+from bios.cli.models import add_models_parser
+from bios.cli.support import USAGE_EXIT, CommandError
+from bios.cli.up import add_up_parsers
 from bios.exceptions import BiosAPIError
-from bios.models.cli import add_models_parser
 from bios.sdk.address import AddressError
-from bios.sdk.cli import add_cluster_parsers
-from bios.sdk.up_cli import add_up_parsers
-from bios.security.cli import add_keys_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +61,3 @@ def explain(exc: Exception) -> tuple[int, str]:
         return 1, f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
     return 1, f"unexpected {type(exc).__name__}: {exc} (`bios --debug ...` shows where)"
 
-
-if __name__ == "__main__":
-    sys.exit(main())

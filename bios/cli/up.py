@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from bios import cluster_defaults
-from bios.cli_support import (
+from bios.cli.support import (
     USAGE_EXIT,
     CommandError,
     HelpFormatter,
@@ -26,9 +26,9 @@ from bios.cli_support import (
     add_state_dir,
     parse_size,
 )
+from bios.sdk.local_cluster import LocalCluster
 from bios.security.keys import KeyStore
 
-from .local_cluster import LocalCluster
 from .up_record import RECORD_NAME, UpRecord, read_record, remove_record, write_record
 
 STOP_GRACE_S = 60.0  # how long workers may take to finish the cycle in progress when the cluster stops

@@ -10,11 +10,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from bios.demo.report import LOSS_PLOT, SUMMARY, print_report, write_loss_plot, write_summary
+from bios.demo.run import DemoSettings, run_demo_job
+from bios.demo.tasks import load_task
 from bios.models import pull
-
-from .report import LOSS_PLOT, SUMMARY, print_report, write_loss_plot, write_summary
-from .run import DemoSettings, run_demo_job
-from .tasks import load_task
 
 # Measured on 2 shared CPU cores: the default run takes 4 minutes (7.4 under heavy load from other jobs),
 # --quick 20 seconds (2 minutes under heavy load).

@@ -1,0 +1,55 @@
+"""What an ended cycle's work becomes: a committed cycle's runs move on (and its tokens count toward the
+placement's demand); an aborted one's unfinished requests go back to their queues, or are given up with why
+(`bios.coordinator.retries`). A verdict the scheduler acts on; nothing here answers a client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bios import messages as m
+
+from .exchange import CycleOutcome
+from .metrics import tokens_of
+from .retries import killed_twice, stalled_once, stalled_twice
+from .runs import Queued, Run
+
+
+@dataclass
+class CycleWork:
+    """What the scheduler keeps of one running cycle: its items' ops and the runs it took work from."""
+
+    ops: dict[str, m.Request]  # request id -> op
+    runs: set[str]  # model ids
+
+
+@dataclass
+class Requeued:
+    failed: list[tuple[Queued, str]] = field(default_factory=list)  # given up: each fails with why
+    notices: list[tuple[Queued, str]] = field(default_factory=list)  # run again after a stall: why they wait
+    samples: list[Queued] = field(default_factory=list)  # unfinished samples, back to the front of their queue
+    ran: dict[str, int] = field(default_factory=dict)  # tokens a committed cycle ran, per base model
+
+
+def requeue(work: CycleWork, outcome: CycleOutcome, runs: dict[str, Run], budgets: list[int]) -> Requeued:
+    """Move the cycle's runs on (committed) or put back what it did not finish (aborted)."""
+    verdict = Requeued()
+    if not outcome.aborted:
+        for op in work.ops.values():
+            run = runs.get(getattr(op, "model_id", ""))
+            if run is not None:
+                verdict.ran[run.base_model] = verdict.ran.get(run.base_model, 0) + tokens_of(op, None)
+    finished = outcome.finished
+    for run in (runs[model_id] for model_id in work.runs if model_id in runs):
+        if not outcome.aborted:
+            run.cycle_committed()
+            continue
+        returned = run.cycle_aborted(set(finished), worker_died=outcome.worker_died, stalled=outcome.stalled)
+        for queued in returned.given_up:
+            verdict.failed.append((queued, killed_twice(queued, budgets) if queued.deaths >= queued.stalls
+                                   else stalled_twice(queued, outcome.why)))
+        if outcome.stalled:
+            verdict.notices.extend((queued, stalled_once(outcome.why)) for queued in returned.retried)
+    if outcome.aborted:
+        verdict.samples = [Queued(request_id, op) for request_id, op in work.ops.items()
+                           if isinstance(op, m.Sample) and request_id not in finished]
+    return verdict

@@ -1,0 +1,81 @@
+"""The tick as one exchange (bios.coordinator.exchange): `Scheduler.schedule` hands a group's runner a plan,
+`Scheduler.update` takes the cycle's whole outcome. Driven here as the runner drives it, without workers."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import BASE, text_datum
+
+from bios import messages as m
+from bios import types
+from bios.coordinator.catalog import Catalog
+from bios.coordinator.checkpoints import DirectoryCheckpointStore
+from bios.coordinator.exchange import CycleOutcome
+from bios.coordinator.membership import Member
+from bios.coordinator.scheduler import Scheduler, Submit
+from bios.coordinator.store import Store
+from bios.wire import make_codec
+
+RUN = "s:train:0"
+INFO = types.BaseModelInfo(BASE, "/nowhere", "llama", 256, 512, 64, 2, 100_000)
+
+
+@pytest.fixture
+async def tick(tmp_path):
+    """A scheduler with one live worker, a run created, and the group its base model is placed on."""
+    store = Store(tmp_path)
+    pushed: list[str] = []  # what the client was sent: RequestDone or Notice
+    codec = make_codec()
+
+    async def push(peer: bytes, frames: list) -> None:
+        pushed.append(type(codec.decode([bytes(f) for f in frames]).body).__name__)
+
+    worker = Member("w0", b"w0", "127.0.0.1", 1, "cpu", 8 << 30)
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), codec,
+                          push, lambda: None, workers=lambda: [worker])
+    store.add_session("s", "a")
+    await scheduler.submit(Submit(b"client", "a", m.CreateModel("s", 0, BASE, types.LoraConfig(rank=4)), [b"x"]))
+    placement = await scheduler.place()
+    yield scheduler, placement.groups[0].group_id, pushed
+    store.close()
+
+
+def _done(plan, results, **aborted) -> CycleOutcome:
+    return CycleOutcome(plan.cycle_id, plan.layout.models, tuple(results), **aborted)
+
+
+async def test_work_is_taken_only_for_a_generation_formed_for_the_plans_layout(tick):
+    scheduler, group_id, _ = tick
+    first = scheduler.schedule(group_id, None)  # nothing formed yet: the layout, no work
+    assert first.layout is not None and first.layout.models == (BASE,) and first.items == ()
+    assert scheduler.runs[RUN].runnable()  # the creation still waits
+    plan = scheduler.schedule(group_id, first.layout)
+    assert [type(item.op) for item in plan.items] == [m.CreateModel] and plan.cycle_id > 0
+    assert scheduler.schedule("no-such-group", first.layout).layout is None  # a dissolved group ends its runner
+
+
+async def test_answers_go_out_only_with_the_outcome_and_an_abort_puts_the_work_back(tick):
+    scheduler, group_id, pushed = tick
+    layout = scheduler.schedule(group_id, None).layout
+    plan = scheduler.schedule(group_id, layout)
+    create = plan.items[0].request_id
+    await scheduler.update(_done(plan, [], aborted=True, worker_died=True))
+    assert pushed == ["Notice"] and scheduler.runs[RUN].status == "creating"  # "a worker died...: it runs again"
+    assert scheduler.schedule(group_id, layout).items == ()  # its passes were halved: the group forms anew first
+    layout = scheduler.schedule(group_id, None).layout
+    again = scheduler.schedule(group_id, layout)  # then the aborted creation runs again, in a new cycle
+    assert [item.request_id for item in again.items] == [create] and again.cycle_id > plan.cycle_id
+
+    created = m.ModelCreated(RUN, INFO, 4, 1000)
+    await scheduler.update(_done(again, [m.ItemDone(again.cycle_id, create, created, None)], aborted=False,
+                                 committed={RUN: 1.5}))
+    assert pushed == ["Notice", "RequestDone"]  # the answer, once the cycle's outcome is in
+    assert scheduler.runs[RUN].status == "ready" and scheduler.committed == {RUN: 1.5}
+    adapters = scheduler.schedule(group_id, None).adapters
+    assert [spec.model_id for spec in adapters] == [RUN]  # what a newly formed generation must hold
+
+    step = m.ForwardBackward(RUN, 1, [text_datum("tiny")], "cross_entropy")
+    await scheduler.submit(Submit(b"client", "a", step, [b"x"]))
+    plan = scheduler.schedule(group_id, layout)
+    assert [type(item.op) for item in plan.items] == [m.ForwardBackward]
+    assert scheduler.schedule(group_id, layout).items == ()  # taken once: nothing left for the next tick
