@@ -13,6 +13,24 @@ from typing import Any
 from bios.exceptions import BadRequestError
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400  # Tinker's bounds on a checkpoint's TTL: one hour to ten years
+DEFAULT_PROJECT = "default"  # Bios has no projects to grant access to: a session without a project label is here
+HOUR = 3600.0
+GIGABYTE = 1e9  # storage is billed in decimal gigabytes
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    session_id: str
+    owner: str
+    created: float
+    closed: bool
+    display_name: str | None
+    user_metadata: dict[str, str] | None
+    project_id: str | None
+    finish_reason: str | None  # success | errored | interrupted, when the client said so
+    finish_detail: str | None
+    checkpoints_count: int
+    checkpoint_storage_bytes: int
 
 
 def check_ttl(raw: object) -> int | None:

@@ -10,3 +10,6 @@ KEEP_CHECKPOINTS = 2
 # Seconds a worker's collective may wait for a peer that is alive but busier (one long row): the coordinator's
 # --collective-timeout, sent to the workers with each generation. Liveness is the heartbeats' call, not this one's.
 COLLECTIVE_TIMEOUT_S = 600.0
+
+# The longest pause between the coordinator's progress checks (and so between its notices to waiting clients).
+PROGRESS_EVERY_S = 30.0

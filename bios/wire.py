@@ -1,9 +1,9 @@
 """The codec every Bios process speaks: `bios.transport.codec.Codec` over the shared vocabulary.
 
-The vocabulary (`bios.types`, `bios.model_input`, `bios.images`, `bios.account`, `bios.messages`, and
-`bios.exceptions.RemoteError`) is plain data that knows nothing of the transport; the transport knows nothing of
-Bios. This module binds the two: every public dataclass of the vocabulary is registered, and `TensorData`
-travels as its array.
+The vocabulary (`bios.types`, whose dataclasses live in its modules, `bios.model_input`, `bios.images`,
+`bios.account`, `bios.messages`, and `bios.exceptions.RemoteError`) is plain data that knows nothing of the
+transport; the transport knows nothing of Bios. This module binds the two: every public dataclass of the
+vocabulary is registered, and `TensorData` travels as its array.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from bios import types as t
 from bios.exceptions import RemoteError
 from bios.messages import client, queries, worker
 from bios.transport.codec import Codec, DecodeError, Limits
+from bios.types import runs, sampling, tensors, training
 
 # Every module whose dataclasses travel on the wire.
-VOCABULARY: tuple[ModuleType, ...] = (t, model_input, images, account, client, queries, worker)
+VOCABULARY: tuple[ModuleType, ...] = (tensors, training, sampling, runs, model_input, images, account, client, queries,
+                                      worker)
 
 
 def vocabulary_types() -> list[type]:

@@ -133,7 +133,7 @@ def test_logs_prints_the_tail(tmp_path):
 
 @pytest.mark.parametrize("command", [
     "from bios.cli.main import main; main(['models', 'list'])",
-    "from bios.worker.main import main; main(['--help'])",
+    "from bios.cli.worker import main; main(['--help'])",
     "from bios.cli.main import main; main(['up', '--help'])",
 ])
 def test_listing_and_help_do_not_import_torch(command):

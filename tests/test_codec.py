@@ -33,6 +33,7 @@ from bios.transport.codec import (
     Limits,
     TransportError,
 )
+from bios.types import runs, sampling, tensors, training
 from bios.wire import make_codec
 
 CODEC = make_codec()
@@ -53,7 +54,8 @@ def _dataclasses_of(module: pytypes.ModuleType) -> list[type]:
     ]
 
 
-WIRE_TYPES: list[type] = [*_dataclasses_of(t), *_dataclasses_of(model_input), *_dataclasses_of(images),
+WIRE_TYPES: list[type] = [*_dataclasses_of(tensors), *_dataclasses_of(training), *_dataclasses_of(sampling),
+                          *_dataclasses_of(runs), *_dataclasses_of(model_input), *_dataclasses_of(images),
                           *_dataclasses_of(client), *_dataclasses_of(queries), *_dataclasses_of(worker), RemoteError,
                           TransportError]
 

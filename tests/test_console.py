@@ -81,6 +81,14 @@ def test_admin_sees_both_runs_and_the_active_worker(trained, tmp_path):
     assert _listed_runs(dom) == {trained.alice_run, trained.bob_run}
     workers = re.findall(r'<tr class="worker".*?</tr>', dom)
     assert len(workers) == 1 and '<td class="state-active">active</td>' in workers[0]
+    with bios.ServiceClient(address=trained.cluster.address, api_key=trained.alice, connect_timeout_s=20) as svc:
+        status = svc.cluster_status()  # the placement as run, where the console shows it
+    worker = status.workers[0]
+    assert f'<td class="models">{BASE}</td>' in workers[0] and worker.models == [BASE]
+    assert f'<td class="num memory">{worker.memory_bytes / 2**30:.1f} GiB</td>' in workers[0]
+    group = re.search(r'<tr class="group".*?</tr>', dom).group(0)
+    assert f"<td>{BASE}</td>" in group and '<td class="num tp">1</td>' in group
+    assert f"<td>{worker.worker_id}</td>" in group
     assert BASE in re.search(r'<table id="pools">.*?</table>', dom).group(0)
 
 

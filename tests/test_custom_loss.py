@@ -15,7 +15,7 @@ from bios.exceptions import BadRequestError
 from bios.models.catalog import BUILTIN_VOCAB_SIZE
 from bios.worker.adapter import AdapterState
 from bios.worker.custom_loss import CompiledLoss
-from bios.worker.engine import ForwardItem, forward_backward
+from bios.worker.engine import ForwardItem, check_item, forward_backward, model_limits
 from bios.worker.lora import attach_lora
 
 
@@ -82,8 +82,35 @@ def test_a_ppo_like_graph_runs_with_its_inputs_and_metrics(model):
     logprobs = torch.full((n,), -3.0)
     value, metrics = compiled(logprobs, {"advantages": torch.ones(n), "old": torch.full((n,), -3.0)})
     assert float(value) == pytest.approx(-n) and float(metrics["custom/ratio:mean"]) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="loss_fn_inputs\\['advantages'\\], which the datum lacks"):
+    with pytest.raises(ValueError, match="data\\[0\\].loss_fn_inputs lacks 'advantages', which custom needs"):
         gradients(model, "custom", [text_datum("no inputs")], compiled)
+
+
+def scaled_ce(logprobs, weights, scale, table):
+    return -(scale * weights * logprobs).sum() + 0 * table.sum(), {}
+
+
+def test_the_wall_checks_inputs_of_every_rank_and_the_engine_then_trusts_them(model):
+    """Rank-1 inputs are the request spec's; ranks 0 and 2, which only the graph declares, are the wall's too."""
+    graph = as_bios(scaled_ce, {"logprobs": 1, "weights": 1, "scale": 0, "table": 2})
+    datum = text_datum("Every rank is checked.")
+    n = datum.model_input.length
+    limits = model_limits(model)
+    inputs = {**datum.loss_fn_inputs, "scale": np.array(2.0, np.float32), "table": np.zeros((n, 3), np.float32)}
+    good = types.Datum(datum.model_input, inputs)
+    check_item([good], "custom", None, graph, limits)
+    for changed, message in (({"scale": None}, r"data\[1\]: custom loss .* reads loss_fn_inputs\['scale'\], which"),
+                             ({"scale": np.ones(n, np.float32)}, r"\['scale'\] has shape \(\d+,\); .* rank 0"),
+                             ({"table": np.zeros((n + 1, 3), np.float32)}, r"\['table'\] has shape .* rank 2")):
+        bad = {key: value for key, value in {**inputs, **changed}.items() if value is not None}
+        with pytest.raises(BadRequestError, match=message):
+            check_item([good, types.Datum(datum.model_input, bad)], "custom", None, graph, limits)
+        with pytest.raises(ValueError, match=message):
+            gradients(model, "custom", [good, types.Datum(datum.model_input, bad)], CompiledLoss(graph))
+    halved = types.Datum(datum.model_input, {**inputs, "scale": np.array(0.5, np.float32)})
+    half, _ = gradients(model, "custom", [halved], CompiledLoss(graph))
+    whole, _ = gradients(model, "cross_entropy", [datum])
+    assert half.loss == pytest.approx(0.5 * whole.loss, rel=1e-5)
 
 
 def test_a_forbidden_op_is_refused_naming_it():
@@ -137,7 +164,7 @@ def test_an_uploaded_loss_outlives_the_gateway_and_stays_with_its_key(tmp_path):
     from bios.coordinator.store import Store
     from bios.exceptions import NotFoundError
     from bios.gateway.custom_losses import CustomLosses
-    from bios.gateway.json_wire import Body
+    from bios.gateway.json_body import Body
 
     handle = trace_loss(weighted_ce, {"logprobs": 1, "weights": 1}, "s1")
     request = CreateCustomLossRequest(session_id="s1", custom_loss_seq_id=3, name=handle.name,

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from bios.cli.main import build_parser
-from bios.coordinator.main import parse_args as coordinator_args
+from bios.cli.coordinator import parse_args as coordinator_args
 from bios.models.registry import model_map, resolve_model_dir
-from bios.worker.main import parse_args as worker_args
+from bios.cli.worker import parse_args as worker_args
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 FETCH_MODELS = "bios-fetch-models"  # deploy/fetch-models.py as the Dockerfile installs it; it takes no arguments

@@ -9,9 +9,10 @@ from conftest import random_llama
 from transformers import LlamaForCausalLM
 
 from bios.exceptions import BadRequestError
-from bios.types import AdamParams, Datum, LoraConfig, ModelInput
+from bios.types import AdamParams, BaseModelInfo, Datum, LoraConfig, ModelInput
 from bios.worker.adapter import LORA_ALPHA, AdapterState, init_lora_weights, lora_targets, validate_lora_config
-from bios.worker.engine import ForwardItem, commit_gradients, discard_gradients, forward_backward, optim_step
+from bios.worker.engine import (ForwardItem, check_item, commit_gradients, discard_gradients, forward_backward,
+                                model_limits, optim_step)
 from bios.worker.lora import active_adapters, attach_lora
 
 VOCAB = 300
@@ -376,9 +377,9 @@ def test_bad_data_raises_before_anything_changes():
     bad_token = Datum(ModelInput.from_ints([1, 2, VOCAB]), {"target_tokens": [1, 2, 3], "weights": [1.0, 1.0, 1.0]})
     no_weights = Datum(good.model_input, {"target_tokens": good.loss_fn_inputs["target_tokens"]})
     cases = [
-        (bad_length, "cross_entropy", r"datum 1: loss_fn_inputs\['weights'\] has shape \(2,\)"),
+        (bad_length, "cross_entropy", r"item 0 \(run\): data\[1\]\.loss_fn_inputs\['weights'\] has 2 entries"),
         (bad_token, "cross_entropy", "token id 300, outside this model's vocabulary"),
-        (no_weights, "cross_entropy", r"missing \['weights'\]"),
+        (no_weights, "cross_entropy", r"data\[1\]\.loss_fn_inputs lacks 'weights'"),
         (good, "nope", "unknown loss_fn"),
     ]
     for bad, loss_fn, message in cases:
@@ -387,6 +388,23 @@ def test_bad_data_raises_before_anything_changes():
                 model, [ForwardItem(adapter, [good, bad], loss_fn, None, False)]
             )
     assert adapter.pending_grad.abs().sum() == 0
+
+
+def test_the_wall_checks_ids_against_the_vocabulary_the_model_holds():
+    """The executor's wall (`check_item` against `model_limits`) is the engine's only one: an id it lets through
+    indexes the embeddings and the head even where the model's info claims a larger vocabulary."""
+    model = tiny_llama()
+    info = BaseModelInfo("tiny", "", "llama", VOCAB + 50, 64, 64, 2, 0)
+    limits = model_limits(model, info)
+    assert (limits.name, limits.vocab_size, limits.max_context_length) == ("tiny", VOCAB, 64)
+    good = make_batch(61, [5])[0]
+    check_item([good], "cross_entropy", None, None, limits)
+    outside = Datum(good.model_input, {"target_tokens": [1, 2, 3, 4, VOCAB], "weights": [1.0] * 5})
+    message = rf"data\[1\]\.loss_fn_inputs\['target_tokens'\] has ids outside \[0, {VOCAB}\)"
+    with pytest.raises(BadRequestError, match=message):
+        check_item([good, outside], "cross_entropy", None, None, limits)
+    with pytest.raises(BadRequestError, match="more than tiny's context of 64"):
+        check_item([make_batch(62, [70])[0]], "cross_entropy", None, None, limits)
 
 
 def test_training_cuts_cross_entropy_by_more_than_half():

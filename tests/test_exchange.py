@@ -79,3 +79,34 @@ async def test_answers_go_out_only_with_the_outcome_and_an_abort_puts_the_work_b
     plan = scheduler.schedule(group_id, layout)
     assert [type(item.op) for item in plan.items] == [m.ForwardBackward]
     assert scheduler.schedule(group_id, layout).items == ()  # taken once: nothing left for the next tick
+
+
+async def test_a_base_model_only_samples_use_gets_a_group_and_is_let_go_once_idle(tmp_path, monkeypatch):
+    """An OpenAI-style sample of a base model no run trains once waited for ever: no group held the model."""
+    store = Store(tmp_path)
+    codec = make_codec()
+
+    async def push(peer: bytes, frames: list) -> None:
+        pass
+
+    worker = Member("w0", b"w0", "127.0.0.1", 1, "cpu", 8 << 30)
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), codec,
+                          push, lambda: None, workers=lambda: [worker])
+    store.add_session("s", "a")
+    session = scheduler.create_sampler("a", m.CreateSamplingSession("s", 0, base_model=BASE))
+    sample = m.Sample(session.sampling_session_id, 0, types.ModelInput.from_ints([1, 2]), 1,
+                      types.SamplingParams(max_tokens=2))
+    await scheduler.submit(Submit(b"client", "a", sample, [b"x"]))
+    group = (await scheduler.place()).group_of_model(BASE)
+    assert group is not None
+    layout = scheduler.schedule(group.group_id, None).layout
+    plan = scheduler.schedule(group.group_id, layout)
+    assert [type(item.op) for item in plan.items] == [m.Sample]
+    assert (await scheduler.place()).group_of_model(BASE) is not None  # its sample is running: the group stays
+    result = types.SampleResponse(sequences=[types.SampledSequence(stop_reason="length", tokens=[5, 6])])
+    await scheduler.update(_done(plan, [m.ItemDone(plan.cycle_id, plan.items[0].request_id, result, None)],
+                                 aborted=False))
+    assert (await scheduler.place()).group_of_model(BASE) is not None  # it ran lately: kept for the next one
+    monkeypatch.setattr("bios.coordinator.planning.DEMAND_WINDOW_S", 0.0)
+    assert (await scheduler.place()).group_of_model(BASE) is None  # idle: its workers are free again
+    store.close()

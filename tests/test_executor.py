@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from bios import messages as m
 from bios import types
+from bios.worker.adapter_kinds import WholeAdapter
 from bios.worker.executor import CycleExecutor
 
 
@@ -14,7 +15,8 @@ class _Pool:
 
     def __init__(self, *model_ids: str) -> None:
         self.calls: list[str] = []
-        self.adapters = {mid: SimpleNamespace(state=SimpleNamespace(checksum=lambda mid=mid: self._checksum(mid)))
+        self.adapters = {mid: WholeAdapter(SimpleNamespace(model_id=mid, checksum=lambda mid=mid: self._checksum(mid)),
+                                           None, "base")
                          for mid in model_ids}
 
     def _checksum(self, model_id: str) -> float:

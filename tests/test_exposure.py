@@ -44,7 +44,7 @@ DEADLINE_S = 120.0  # a guard against hanging, never a measured time
 
 
 def _coordinator_cli(*args: str, state_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "bios.coordinator.main", "--state-dir", str(state_dir), *args]
+    command = [sys.executable, "-m", "bios.cli.coordinator", "--state-dir", str(state_dir), *args]
     return subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout)
 
 
@@ -179,22 +179,22 @@ async def test_identify_tells_the_admin_a_key_and_the_worker_token_apart(tmp_pat
     tokens = Tokens()
     try:
         with pytest.raises(AuthenticationError, match="no admin key yet"):
-            identify("tml-biosadmin_" + "A" * 43, coordinator, tokens)
+            identify("tml-biosadmin_" + "A" * 43, coordinator.accounts, tokens)
         admin = str(keys.admin_key())
-        assert identify(f"tml-{admin}", coordinator, tokens).admin
+        assert identify(f"tml-{admin}", coordinator.accounts, tokens).admin
         jwt = tokens.issue("<admin>", keys.admin_fingerprint())
-        assert identify(jwt, coordinator, tokens).admin  # its JWT too, until the admin key is replaced
+        assert identify(jwt, coordinator.accounts, tokens).admin  # its JWT too, until the admin key is replaced
         keys.admin_key(rotate=True)
         with pytest.raises(AuthenticationError, match="was replaced"):
-            identify(jwt, coordinator, tokens)
+            identify(jwt, coordinator.accounts, tokens)
         admin = str(keys.admin_key())
-        caller = identify(f"tml-{alice}", coordinator, tokens)
+        caller = identify(f"tml-{alice}", coordinator.accounts, tokens)
         assert caller.owner == alice.key_id and not caller.admin
-        assert identify(tokens.issue(alice.key_id), coordinator, tokens) == caller
+        assert identify(tokens.issue(alice.key_id), coordinator.accounts, tokens) == caller
         with pytest.raises(AuthenticationError, match="admits workers only.*bios keys admin-key"):
-            identify(f"tml-{token}", coordinator, tokens)
+            identify(f"tml-{token}", coordinator.accounts, tokens)
         with pytest.raises(AuthenticationError, match="malformed admin key"):
-            identify("tml-biosadmin_short", coordinator, tokens)
+            identify("tml-biosadmin_short", coordinator.accounts, tokens)
         assert keys.is_admin(admin) and not keys.is_admin(str(alice)) and not keys.is_admin(None)
         with pytest.raises(AuthenticationError, match="admits workers only"):
             keys.is_admin(token)
@@ -218,7 +218,7 @@ def test_an_http_client_at_the_zeromq_port_is_hung_up_on(tmp_path):
     """The Tinker SDK pointed at the ZeroMQ port: the connection closes at once (with keys or without), instead
     of waiting for an answer that never comes."""
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "bios.coordinator.main", "--state-dir", str(tmp_path),
+    proc = subprocess.Popen([sys.executable, "-m", "bios.cli.coordinator", "--state-dir", str(tmp_path),
                              "--listen", "tcp://127.0.0.1:0", "--ready-file", str(ready)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

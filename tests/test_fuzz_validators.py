@@ -29,11 +29,12 @@ from bios.checkpoint_path import CheckpointPath, check_name
 from bios.exceptions import AuthenticationError, BadRequestError
 from bios.gateway import json_wire as gateway
 from bios.gateway import proto
+from bios.gateway.json_body import Body
 from bios.security.keys import AdminKey, ApiKey, KeyStore, WorkerToken
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import DecodeError, Envelope
 from bios import spec
-from bios.worker import losses
+from bios.worker import engine
 from bios.worker.adapter import validate_lora_config
 from bios.wire import make_codec
 
@@ -299,16 +300,14 @@ def test_fuzz_worker_lora_config_validation_raises_only_bad_request(seed: int, t
 @settings(FUZZ)
 @given(seed=SEEDS)
 def test_fuzz_worker_loss_inputs_raise_only_bad_request(seed: int) -> None:
-    """The workers' loss checks (the spec's `loss_config`, `validate_inputs`) report bad input as BadRequestError."""
+    """The worker's wall for forward items (`engine.check_item`) reports bad input as BadRequestError."""
 
     def build(rng: random.Random) -> tuple[str, dict[str, float] | None, t.Datum]:
         return _loss_fn(rng), _loss_config(rng), _datum(rng)
 
     def validate(value: tuple[str, dict[str, float] | None, t.Datum]) -> None:
         loss_fn, config, datum = value
-        spec.loss_config(loss_fn, config)
-        inputs = {key: tensor.to_torch() for key, tensor in datum.loss_fn_inputs.items()}
-        losses.validate_inputs(loss_fn, inputs, datum.model_input.length)
+        engine.check_item([datum], loss_fn, config, None, None)
 
     _check(seed, build, validate, (BadRequestError,))
 
@@ -431,7 +430,7 @@ def test_fuzz_gateway_json_bodies_raise_only_bad_request(seed: int) -> None:
 
     def validate(value: tuple[str, Any]) -> None:
         name, data = value
-        decoded = JSON_BODIES[name][0](gateway.Body(data))
+        decoded = JSON_BODIES[name][0](Body(data))
         op = decoded[0] if isinstance(decoded, tuple) else decoded
         if isinstance(op, m.OptimStep):
             spec.check_adam(op.adam_params)

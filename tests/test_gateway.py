@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import types
 
 import httpx
 import numpy as np
@@ -350,18 +349,21 @@ def test_metric_keys_get_exactly_one_colon_and_a_known_reduction():
 
 
 async def test_backpressure_is_a_429_with_retry_after():
-    class NeverSubmitted:
-        front_door = None  # never reached: the gateway refuses before submitting
-        keys = labels = usage = audit = None  # a keyless cluster; no route that reads them is called
-        store = types.SimpleNamespace(db=sqlite3.connect(":memory:"))  # where uploaded custom losses would go
+    class NeverSubmitted:  # a front door the gateway never submits to (it refuses first) and a keyless cluster
+        keys = labels = audit = None  # no route that reads them is called
+        db = sqlite3.connect(":memory:")  # where uploaded custom losses would go
 
-        def attach_local_client(self, name, on_done):
+        def attach(self, name, on_done):
             return b"gateway"
 
         def authenticate(self, api_key):
             return "local"
 
-    gateway = Gateway(NeverSubmitted(), GatewayConfig(max_pending=0))  # full from the start
+        def is_active(self, owner):
+            return True
+
+    never = NeverSubmitted()
+    gateway = Gateway(never, never, GatewayConfig(max_pending=0))  # full from the start
     body = {"sampling_session_id": "s:sample:0", "seq_id": 0, "num_samples": 1,
             "prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]}, "sampling_params": {"max_tokens": 1}}
     async with TestClient(TestServer(gateway.application())) as client:

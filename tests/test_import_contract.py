@@ -161,6 +161,12 @@ CONTRACTS = [
     Contract("the worker never imports the coordinator", ("bios.worker",), ("bios.coordinator",)),
     Contract("the SDK reaches the coordinator and workers by messages, and starts them as processes",
              ("bios.sdk",), ("bios.coordinator", "bios.worker")),
+    Contract("the coordinator imports no layer above it: no front end, no command line", ("bios.coordinator",),
+             ("bios.sdk", "bios.gateway", "bios.cli")),
+    Contract("the worker imports no layer above it", ("bios.worker",), ("bios.sdk", "bios.gateway", "bios.cli")),
+    Contract("the gateway uses the coordinator through its front door and its accounts facade, nothing else",
+             ("bios.gateway",), ("bios.coordinator",),
+             allowed=("bios.coordinator.front_door", "bios.coordinator.accounts")),
     *(Contract(f"front end {front} does not import front end {other}", (front,), (other,))
       for front in FRONT_ENDS for other in FRONT_ENDS if other != front),
 ]

@@ -10,6 +10,7 @@ import torch
 from bios.exceptions import BadRequestError
 from bios import types as t
 from bios.spec import LOSSES
+from bios.worker.engine import check_item
 from bios.worker.losses import COMPUTE, compute_loss
 
 N = 24
@@ -167,19 +168,29 @@ def test_every_loss_declares_its_inputs_and_runs():
         assert math.isfinite(value) and torch.isfinite(grad).all()
 
 
-def test_bad_requests_raise_clear_errors():
-    logp, inputs = _inputs(9)
+def test_bad_requests_are_refused_at_the_workers_wall_with_clear_errors():
+    """The losses compute what passed the worker's one wall (`engine.check_item`), which refuses the rest."""
+    _, inputs = _inputs(9)
+
+    def check(loss_fn, config=None, **changed):
+        given = {key: value for key, value in {**inputs, **changed}.items() if value is not None}
+        datum = t.Datum(t.ModelInput.from_ints(list(range(N))),
+                        {key: t.TensorData.from_torch(value) for key, value in given.items()})
+        check_item([datum], loss_fn, config, None, None)
+
     with pytest.raises(BadRequestError, match="unknown loss_fn 'nope'"):
-        compute_loss("nope", logp, inputs, None)
+        check("nope")
     with pytest.raises(BadRequestError, match=r"\['clip_ratio'\].*clip_high_threshold"):
-        compute_loss("ppo", logp, inputs, {"clip_ratio": 0.2})
+        check("ppo", {"clip_ratio": 0.2})
     with pytest.raises(BadRequestError, match="accepts no keys"):
-        compute_loss("cross_entropy", logp, inputs, {"beta": 0.1})
+        check("cross_entropy", {"beta": 0.1})
     with pytest.raises(BadRequestError, match="finite"):
-        compute_loss("dro", logp, inputs, {"beta": float("nan")})
+        check("dro", {"beta": float("nan")})
     with pytest.raises(BadRequestError, match="must not exceed"):
-        compute_loss("ppo", logp, inputs, {"clip_low_threshold": 1.5})
-    with pytest.raises(BadRequestError, match=r"missing \['advantages'\]"):
-        compute_loss("importance_sampling", logp, {k: v for k, v in inputs.items() if k != "advantages"}, None)
-    with pytest.raises(BadRequestError, match=r"loss_fn_inputs\['weights'\] has shape \(23,\).*shape \(24,\)"):
-        compute_loss("cross_entropy", logp, {**inputs, "weights": inputs["weights"][:-1]}, None)
+        check("ppo", {"clip_low_threshold": 1.5})
+    with pytest.raises(BadRequestError, match=r"lacks 'advantages', which importance_sampling needs"):
+        check("importance_sampling", advantages=None)
+    with pytest.raises(BadRequestError, match=r"loss_fn_inputs\['weights'\] has 23 entries but model_input has 24"):
+        check("cross_entropy", weights=inputs["weights"][:-1])
+    for name in LOSSES:
+        check(name)  # every loss's inputs pass as they are

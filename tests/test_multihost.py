@@ -97,7 +97,7 @@ class Cluster:
     def start(self) -> Cluster:
         ready = self.state_dir / "ready.json"
         self._spawn("head", "coordinator", [
-            "-m", "bios.coordinator.main", "--listen", f"tcp://{self.hosts['head'].address}:0",
+            "-m", "bios.cli.coordinator", "--listen", f"tcp://{self.hosts['head'].address}:0",
             "--state-dir", str(self.state_dir), "--cycle-s", "0", "--heartbeat-timeout", str(HEARTBEAT_S),
             "--checkpoint-every", "0", "--ready-file", str(ready)], self.env)
         deadline = time.monotonic() + 120
@@ -110,7 +110,7 @@ class Cluster:
 
     def add_worker(self, host: str, memory_limit: int | None = None,
                    env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-        args = ["-m", "bios.worker.main", "--coordinator", self.address, "--threads", "1"]
+        args = ["-m", "bios.cli.worker", "--coordinator", self.address, "--threads", "1"]
         if memory_limit is not None:
             args += ["--memory-limit", str(memory_limit)]
         worker = self._spawn(host, f"worker-{len(self.workers)}", args,

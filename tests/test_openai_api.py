@@ -120,7 +120,7 @@ def test_errors_come_back_in_openai_shape(client):
 
 
 def test_stream_pieces_never_split_a_character():
-    from bios.gateway.openai_wire import pieces
+    from bios.gateway.openai_choices import pieces
     from bios.models.builtin import byte_level_tokenizer
 
     tokenizer = byte_level_tokenizer()

@@ -32,7 +32,7 @@ class _ScriptedCoordinator:
         self.on_done = None
         self.submitted: asyncio.Queue[m.Sample] = asyncio.Queue()
 
-    def attach_local_client(self, name, on_done):
+    def attach(self, name, on_done):
         self.on_done = on_done
         return b"local:test"
 
@@ -67,7 +67,7 @@ def test_the_first_text_arrives_before_the_sample_finishes(chat):
 
     async def main():
         coordinator = _ScriptedCoordinator()
-        gateway = OpenAICompat(coordinator)
+        gateway = OpenAICompat(coordinator, coordinator)  # its front door and accounts
         gateway.tokenizers[BASE] = byte_level_tokenizer()
         app = web.Application()
         app.add_routes(gateway.routes())
@@ -149,7 +149,7 @@ def test_a_live_stream_on_a_cluster_equals_the_whole_response(cluster):
 def test_a_result_that_does_not_continue_the_streamed_text_is_an_error_not_a_silent_splice():
     """A sample whose cycle aborted after progress was streamed runs again and may draw other tokens: the stream
     must say so rather than append the new sample's tail to the old one's head."""
-    from bios.gateway.openai_wire import ChoiceStream, StreamDiverged
+    from bios.gateway.openai_choices import ChoiceStream, StreamDiverged
 
     tokenizer = byte_level_tokenizer()
     first, other = tokenizer.encode("hello there"), tokenizer.encode("goodbye now")

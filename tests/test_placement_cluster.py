@@ -6,16 +6,19 @@ the small built-in model whole but the test's larger model only split over two (
 - The large model first, then the small one: the small one gets workers of its own and runs unsplit; when one
   of its workers is SIGKILLed and a new one joins, the newcomer joins a group and nobody stands by.
 Every run trains as on one unconstrained worker (the session's).
+- Three models that each fit one worker but not two together: each gets a worker of its own, and no worker's
+  measured peak memory goes over its budget.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import BASE, assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
-from tp_model import RANK, tp2_only_memory_limit, write_tp_model
+from tp_model import RANK, one_model_only_memory_limit, tp2_only_memory_limit, write_mid_model, write_tp_model
 
 import bios
 from bios import types
@@ -116,3 +119,34 @@ def test_large_model_first_then_a_small_one_unsplit_and_a_leave_and_join_leave_n
         for model, tc in ((BASE, small), (large, big)):
             assert losses[model] == pytest.approx(reference[model][0], rel=1e-5)
             assert_same_weights(saved_adapter(svc, tc), reference[model][1])
+
+
+def _peak_rss(pid: int) -> int:
+    """A process's peak resident memory so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def test_three_models_that_fit_one_worker_each_but_not_together_get_a_worker_each_under_budget(tmp_path_factory):
+    models = [str(write_mid_model(tmp_path_factory.mktemp(f"placement-mid{i}"))) for i in range(3)]  # same weights
+    limit = one_model_only_memory_limit(Path(models[0]))
+    batch = [text_datum(f"Row {i} of a batch of two thousand tokens, or so, for three models at once. " * 3)
+             for i in range(8)]
+    with bios.LocalCluster(workers=3, worker_threads=1, worker_memory_limit=limit) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        wait_for_workers(svc, 3, states=("idle",))
+        clients = [svc.create_lora_training_client(model, rank=RANK, seed=SEED) for model in models]
+        futures = [train_steps(tc, batch, PARAMS, 2)[0::2] for tc in clients]  # the three groups run at once
+        losses = [[f.result(180).loss for f in steps] for steps in futures]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
+        status = svc.cluster_status()
+        groups = _groups(svc)
+        held = {worker: model for model in models for worker in groups[(model,)].formed}
+        assert [len(groups[(model,)].formed) for model in models] == [1, 1, 1] and len(held) == 3
+        for worker in status.workers:
+            assert worker.models == [held[worker.worker_id]]  # what `bios status` says each worker holds
+            peak = _peak_rss(worker.pid)
+            assert peak <= worker.memory_bytes == limit, (
+                f"{worker.worker_id} peaked at {peak / 2**30:.2f} GiB over its {limit / 2**30:.2f} GiB budget")

@@ -17,7 +17,8 @@ from bios.worker.adapter import AdapterState
 from bios.worker.engine import ForwardItem, forward_backward
 from bios.worker.lora import attach_lora
 from bios.spec import check_sample
-from bios.worker.sampling import DEFAULT_MAX_TOKENS, SampleItem, generate
+from bios.worker.sampling import SampleItem, generate
+from bios.worker.sampling_rows import DEFAULT_MAX_TOKENS
 
 EOS = 257
 CONTEXT = 128

@@ -12,7 +12,7 @@ from test_sampling import PROMPTS, perturbed_adapter, run
 
 from bios.exceptions import BadRequestError
 from bios.types import SamplingParams, TensorData
-from bios.worker import sampling
+from bios.worker import sampling_results
 from bios.worker.sampling import SampleItem
 
 # test_sampling.py's tiny Llama with large weights (peaked distributions) and its byte-level tokenizer
@@ -113,8 +113,8 @@ def test_impossible_topk_and_targets_name_the_field(model, tokenizer, kwargs, fi
 def test_a_streaming_request_reports_its_tokens_while_the_decode_runs(model, tokenizer, monkeypatch):
     """Progress comes in order, before the decode ends (the last report at the latest at the last step), and the
     pieces add up to the whole result; other requests of the batch are unaffected."""
-    monkeypatch.setattr(sampling, "_PROGRESS_EVERY_S", 1e9)  # by token count only: deterministic
-    monkeypatch.setattr(sampling, "_PROGRESS_EVERY_TOKENS", 4)
+    monkeypatch.setattr(sampling_results, "_PROGRESS_EVERY_S", 1e9)  # by token count only: deterministic
+    monkeypatch.setattr(sampling_results, "_PROGRESS_EVERY_TOKENS", 4)
     reports = []
     params = SamplingParams(max_tokens=30, temperature=0.9, seed=6, stop=[])
     stream = SampleItem(None, PROMPTS[1], 2, params, topk_sample_logprobs=2,

@@ -23,7 +23,7 @@ from bios.cli.main import main as bios_cli
 from bios.coordinator.catalog import Catalog
 from bios.coordinator.checkpoints import DirectoryCheckpointStore
 from bios.coordinator.scheduler import Scheduler, Submit
-from bios.coordinator.front_door import LOCAL_OWNER
+from bios.coordinator.accounts import LOCAL_OWNER
 from bios.coordinator.config import CoordinatorConfig
 from bios.coordinator.server import Coordinator
 from bios.coordinator.store import Store
@@ -259,7 +259,7 @@ def test_public_bind_without_keys_refuses_to_start(tmp_path):
     with pytest.raises(InsecureListenError, match="bios keys init"):
         Coordinator(CoordinatorConfig(listen="tcp://0.0.0.0:0", state_dir=tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "bios.coordinator.main", "--listen", "tcp://0.0.0.0:0", "--state-dir", str(tmp_path)],
+        [sys.executable, "-m", "bios.cli.coordinator", "--listen", "tcp://0.0.0.0:0", "--state-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "refusing to listen on tcp://0.0.0.0:0 without API keys" in proc.stderr
@@ -270,17 +270,17 @@ def test_public_bind_without_keys_refuses_to_start(tmp_path):
         assert not is_local_address(address)
 
 
-async def test_coordinator_authenticate_is_what_front_ends_call(tmp_path):
+async def test_the_accounts_authenticate_is_what_front_ends_call(tmp_path):
     keyless = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", state_dir=tmp_path / "open"))
-    assert not keyless.keys_required and keyless.authenticate(None) == LOCAL_OWNER
+    assert not keyless.accounts.keys_required and keyless.accounts.authenticate(None) == LOCAL_OWNER
     _close(keyless)
     keys, _ = KeyStore.init(tmp_path / "keyed")
     key = keys.create("gateway-user")
     keyed = Coordinator(CoordinatorConfig(listen="tcp://0.0.0.0:0", state_dir=tmp_path / "keyed"))
-    assert keyed.keys_required
-    assert keyed.authenticate("tml-" + str(key)) == key.key_id
+    assert keyed.accounts.keys_required
+    assert keyed.accounts.authenticate("tml-" + str(key)) == key.key_id
     with pytest.raises(AuthenticationError):
-        keyed.authenticate(None)
+        keyed.accounts.authenticate(None)
     token = keys.cluster.worker_token()
     register = m.RegisterWorker("w", "h", 1, "cpu", 1, token=None)
     forged = m.RegisterWorker("w", "h", 1, "cpu", 1, token=str(WorkerToken(bytes(32), token.server_public_key)))

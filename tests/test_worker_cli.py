@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bios.worker import main as worker_main
+from bios.cli import worker as worker_main
 
 
 class FakeChild:

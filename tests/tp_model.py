@@ -28,6 +28,9 @@ SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=12, num_
 # Long rows: a narrow Llama whose context reaches 16k tokens, where an 8k row's pass takes seconds on one thread.
 LONG_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=16384)
+# Three models that each fit a worker alone but not two together (tests/test_placement_cluster.py).
+MID_SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=96)
 MOE_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=1024)
 
@@ -38,6 +41,10 @@ def write_tp_model(directory: Path) -> Path:
 
 def write_moe_model(directory: Path) -> Path:
     return _write(Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE, directory)
+
+
+def write_mid_model(directory: Path) -> Path:
+    return _write(LlamaConfig, LlamaForCausalLM, MID_SHAPE, directory)
 
 
 def write_long_model(directory: Path) -> Path:
@@ -63,7 +70,7 @@ def worker_runtime_bytes() -> int:
     plans count as overhead), measured the same way in a fresh process that imports what a worker imports: it
     differs by machine and by library versions (0.35 GiB to over 0.4 here), and a budget set between two plans'
     estimates must count the overhead the workers will report, not a fallback."""
-    code = ("import torch, bios.worker.main; from bios.worker.memory_plan import runtime_footprint; "
+    code = ("import torch, bios.cli.worker; from bios.worker.memory_plan import runtime_footprint; "
             "print(runtime_footprint(torch.device('cpu')))")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               timeout=300).stdout.split()[-1])
@@ -78,3 +85,12 @@ def tp2_only_memory_limit(model_dir: Path) -> int:
     one, two = (estimate(shape, tp=tp, **options).total for tp in (1, 2))
     assert two < one - 100 * MiB, "the test model must shrink clearly under TP=2"
     return int((one + two) / 2 / USABLE_FRACTION)
+
+
+def one_model_only_memory_limit(model_dir: Path) -> int:
+    """A worker budget that holds one such model (weights, adapters, a pass and the runtime this machine's workers
+    report) but not two: half-way between the two sums placement weighs (`bios.coordinator.placement.fits`)."""
+    shape = ModelShape.from_dict(json.loads((model_dir / "config.json").read_text()))
+    one = estimate(shape, lora_rank=RANK, batch_tokens=4096, activation_checkpointing=True,
+                   overhead_bytes=worker_runtime_bytes())
+    return int((one.total + (one.weights + one.adapters) / 2) / USABLE_FRACTION)

@@ -87,9 +87,10 @@ def run_status(args: argparse.Namespace) -> int:
     clock = "back to back" if status.cycle_s == 0 else f"every {status.cycle_s:g}s"
     print(f"cycles: {status.cycles_run} run, {clock} (cycle_s={status.cycle_s:g}), busy {busy:.0%} of "
           f"{status.uptime_s:.0f}s")
-    print(f"{'worker':<28} {'state':<8} {'device':<8} {'pid':>7}  host  heartbeat")
+    print(f"{'worker':<28} {'state':<8} {'device':<8} {'memory':>9} {'pid':>7}  host  heartbeat  models")
     for w in status.workers:
-        print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.pid:>7}  {w.host}  {w.last_heartbeat_age_s:.1f}s ago")
+        print(f"{w.worker_id:<28} {w.state:<8} {w.device:<8} {w.memory_bytes / 2**30:>5.1f} GiB {w.pid:>7}  {w.host}  "
+              f"{w.last_heartbeat_age_s:.1f}s ago  {', '.join(w.models) or '-'}")
         if w.note:
             print(f"  {w.note}")
     for group in status.groups:

@@ -1,5 +1,5 @@
 """The coordinator's endpoint for clients: one ROUTER socket for the native SDK, plus in-process front ends (the
-HTTP gateway). It answers Hello (protocol, API key, session), checks that every later message comes from the
+HTTP gateway, through the front door). It answers Hello (protocol, API key, session), checks that every later message comes from the
 connection that said it, and hands requests, session calls and queries to the front door; answers come back
 through `push`."""
 
@@ -13,12 +13,17 @@ from typing import Any
 from bios import __version__
 from bios import messages as m
 from bios.actors.remote import answered
-from bios.exceptions import AuthenticationError, BadRequestError, NotFoundError, ReconnectRequired
-from bios.security.keys import KeyStore
-from bios.transport.codec import Codec, Envelope
+from bios.exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    ReconnectRequired,
+)
+from bios.transport.codec import Envelope
 from bios.transport.sockets import Router
 
-from .front_door import LOCAL_OWNER, FrontDoor
+from .accounts import Accounts
+from .front_door import FrontDoor
 
 
 @dataclass(frozen=True)
@@ -31,18 +36,16 @@ class Caller:
 
 
 class ClientEndpoint:
-    def __init__(self, router: Router, codec: Codec, keys: KeyStore | None, cycle_s: float,
-                 worker_port: Callable[[], int], ping: Callable[[m.Ping], Awaitable[m.Pong]]) -> None:
+    def __init__(self, router: Router, accounts: Accounts, cycle_s: float, worker_port: Callable[[], int],
+                 ping: Callable[[m.Ping], Awaitable[m.Pong]]) -> None:
         self.router = router
-        self.codec = codec
-        self.keys = keys
+        self.accounts = accounts
         self.cycle_s = cycle_s
         self.worker_port = worker_port  # where workers register (a client may start one: `bios up`)
         self.ping = ping  # a client's Ping is answered by a worker
         self.front_door: FrontDoor  # set by the assembly once built (its scheduler pushes through this endpoint)
         self.sessions: dict[bytes, str] = {}
         self.callers: dict[bytes, Caller] = {}
-        self._local: dict[bytes, Callable[[m.RequestDone], None]] = {}
 
     def dispatch(self, peer: bytes, env: Envelope, frames: list[Any]) -> Any:
         body = env.body
@@ -57,7 +60,7 @@ class ClientEndpoint:
         if isinstance(body, m.REQUEST_TYPES):
             return self.front_door.submit(peer, body, caller.owner, [f.bytes for f in frames])
         if isinstance(body, m.SessionHeartbeat):
-            if self.keys is not None and not self.keys.is_active(caller.owner):
+            if not self.accounts.is_active(caller.owner):
                 self._forget(peer)
                 raise AuthenticationError("this session's API key was revoked")
             if not self.front_door.heartbeat(body.session_id, caller.owner):
@@ -80,7 +83,7 @@ class ClientEndpoint:
                 "upgrade the older side",
                 field="protocol",
             )
-        caller = Caller(self.authenticate(hello.api_key), self._connection_key(frames))
+        caller = Caller(self.accounts.authenticate(hello.api_key), self._connection_key(frames))
         known = self.callers.get(peer)
         if known is not None and known != caller:
             raise AuthenticationError("this connection already has a session with another key; reconnect instead")
@@ -95,36 +98,15 @@ class ClientEndpoint:
             self.callers[peer] = caller
         return answered(m.Welcome(session_id, __version__, self.cycle_s))
 
-    def authenticate(self, api_key: str | None) -> str:
-        """The owner an API key stands for (its key id); AuthenticationError if it is missing, wrong or revoked.
-
-        Without keys (`bios keys init` never ran for this state dir, so the coordinator listens on loopback
-        only) every caller is `LOCAL_OWNER`. The HTTP gateway calls this with each request's X-API-Key.
-        """
-        if self.keys is None:
-            return LOCAL_OWNER
-        return self.keys.authenticate(api_key)
-
     def _connection_key(self, frames: list[Any]) -> str | None:
         """The CurveZMQ public key the message came from (set by the ZAP handler); None without keys."""
-        return None if self.keys is None else frames[0].get("User-Id")
+        return frames[0].get("User-Id") if self.accounts.keys_required else None
 
     def _forget(self, peer: bytes) -> None:
         self.sessions.pop(peer, None)
         self.callers.pop(peer, None)
 
-    # ------------------------------------------------------------------------------------ answers
-
-    def attach_local(self, name: str, on_done: Callable[[m.RequestDone], None]) -> bytes:
-        """Register an in-process front end (the HTTP gateway); its results come to `on_done`."""
-        peer = f"local:{name}".encode()
-        self._local[peer] = on_done
-        return peer
-
     async def push(self, peer: bytes, frames: list[Any]) -> None:
-        """An answer (or notice) for `peer`: over the socket, or to an in-process front end's callback."""
-        local = self._local.get(peer)
-        if local is not None:
-            local(self.codec.decode(frames).body)
-        else:
+        """An answer (or notice) for `peer`: over the socket, or to an in-process front end (the front door's)."""
+        if not self.front_door.answer_local(peer, frames):
             await self.router.send_raw(peer, frames)

@@ -20,13 +20,12 @@ from bios.security.limits import QuotaLedger
 from bios.transport.codec import Codec, Envelope
 from bios.transport.sockets import next_message_id
 
+from .accounts import LOCAL_OWNER
 from .admission import Submit
 from .queries import ACCOUNT_TYPES, Queries
 from .queries import QUERY_TYPES as READ_QUERIES
 from .scheduler import Scheduler
 from .store import Store
-
-LOCAL_OWNER = "local"
 
 # The queries about what the scheduler holds in memory: each its method, called with (owner, query).
 SCHEDULER_QUERIES: dict[type, Callable[..., Any]] = {
@@ -47,6 +46,24 @@ class FrontDoor:
         self.capabilities = capabilities
         self.status = status
         self.seen: dict[str, float] = {}  # session id -> when this coordinator last heard from it
+        self._local: dict[bytes, Callable[[m.RequestDone], None]] = {}  # in-process front ends' answer callbacks
+
+    # ------------------------------------------------------------------------------------ in-process front ends
+
+    def attach(self, name: str, on_done: Callable[[m.RequestDone], None]) -> bytes:
+        """Register an in-process front end (the HTTP gateway, its OpenAI routes): the peer it submits as; its
+        answers come to `on_done`."""
+        peer = f"local:{name}".encode()
+        self._local[peer] = on_done
+        return peer
+
+    def answer_local(self, peer: bytes, frames: list[Any]) -> bool:
+        """Hand an answer to the in-process front end `peer` (True), or say it is not one (False)."""
+        on_done = self._local.get(peer)
+        if on_done is None:
+            return False
+        on_done(self.codec.decode(frames).body)
+        return True
 
     # ------------------------------------------------------------------------------------ sessions
 

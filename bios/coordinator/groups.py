@@ -152,8 +152,9 @@ class Groups:
                 if mb.worker_id in placed}
 
     @property
-    def placed(self) -> set[str]:
-        return {worker for group in self.placement.groups for worker in group.workers}
+    def placed(self) -> dict[str, tuple[str, ...]]:
+        """Each worker the placement puts in a group -> the base models it holds there."""
+        return {worker: group.models for group in self.placement.groups for worker in group.workers}
 
     @property
     def parked(self) -> dict[str, str]:

@@ -12,9 +12,9 @@ import json
 import time
 from dataclasses import dataclass
 
-from .store import Store
+from bios.account import SessionSummary
 
-DEFAULT_PROJECT = "default"  # Bios has no projects to grant access to: a session without a project label is here
+from .store import Store
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS session_labels (
@@ -38,21 +38,6 @@ CREATE TABLE IF NOT EXISTS sampling_clients (
     joined INTEGER NOT NULL
 );
 """
-
-
-@dataclass(frozen=True)
-class SessionSummary:
-    session_id: str
-    owner: str
-    created: float
-    closed: bool
-    display_name: str | None
-    user_metadata: dict[str, str] | None
-    project_id: str | None
-    finish_reason: str | None  # success | errored | interrupted, when the client said so
-    finish_detail: str | None
-    checkpoints_count: int
-    checkpoint_storage_bytes: int
 
 
 @dataclass(frozen=True)

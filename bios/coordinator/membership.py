@@ -94,19 +94,22 @@ class Membership:
         while self.generation == generation:
             await self._changed.wait()
 
-    def status(self, active: set[str], parked: Mapping[str, str], placed: set[str]) -> list[m.WorkerStatus]:
+    def status(self, active: set[str], parked: Mapping[str, str],
+               placed: Mapping[str, tuple[str, ...]]) -> list[m.WorkerStatus]:
         """`active` members are in their group's generation; `waiting` ones are `parked` (no group can use them:
-        the note says why); `joining` ones are `placed` in a group but not yet in its generation; `idle` ones are
-        in no group because no run needs them yet."""
+        the note says why); `joining` ones are `placed` in a group (with its base models) but not yet in its
+        generation; `idle` ones are in no group because no run needs them yet."""
         now = time.monotonic()
         return [
             m.WorkerStatus(mb.worker_id, mb.host, mb.pid, mb.device, self._state(mb, active, parked, placed),
-                           now - mb.last_seen, parked.get(mb.worker_id, "") if mb.state == "ready" else "")
+                           now - mb.last_seen, parked.get(mb.worker_id, "") if mb.state == "ready" else "",
+                           list(placed.get(mb.worker_id, ())) if mb.state == "ready" else [], mb.memory_bytes)
             for mb in self.members.values()
         ]
 
     @staticmethod
-    def _state(member: Member, active: set[str], parked: Mapping[str, str], placed: set[str]) -> str:
+    def _state(member: Member, active: set[str], parked: Mapping[str, str],
+               placed: Mapping[str, tuple[str, ...]]) -> str:
         if member.state != "ready":
             return member.state
         if member.worker_id in parked:

@@ -23,6 +23,7 @@ from bios.exceptions import BadRequestError
 from bios.models.memory_plan import Plan, choose_plan, model_shape
 
 from .placement import Group, ModelNeed, Placement, place
+from .runs import Run
 from .worker_fit import fit_workers
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,41 @@ class PoolPlanner:
         self._ran.extend((now, base_model, count) for base_model, count in tokens.items() if count)
         while self._ran and self._ran[0][0] < now - DEMAND_WINDOW_S:
             self._ran.popleft()
+
+    def plan_runs(self, runs: list[Run]) -> dict[str, BadRequestError]:
+        """Plan the base models of `runs` (each with its runs' adapters); returns those that fit nowhere, with why."""
+        failed = {}
+        for base_model, lora in {run.base_model: run.lora for run in runs}.items():
+            same_base = sum(1 for run in runs if run.base_model == base_model)
+            try:
+                self.adopt(self.choose(base_model, lora, adapters=same_base - 1))
+            except BadRequestError as exc:
+                failed[base_model] = exc
+        return failed
+
+    def place_sampled(self, trained: set[str], sampled: set[str]) -> dict[str, BadRequestError]:
+        """A base model only samples use (`sampled`, no run trains it) is placed like a run's while samples
+        want it or it ran lately (`idle`), so a sample never waits for a run that may never come; after that it
+        is forgotten. Returns the ones that fit nowhere while no group runs, with why (their samples fail); with
+        groups running, such a model is sampled by the first group (`Placement.samples`)."""
+        if not self.workers():
+            return {}
+        unplaceable = {}
+        for base_model in sampled - trained - self.plans.keys():
+            try:
+                self.adopt(self.choose(base_model, t.LoraConfig(), adapters=0))
+            except BadRequestError as exc:
+                if not self.placement.groups:
+                    unplaceable[base_model] = exc
+        for base_model in self.plans.keys() - trained - sampled:
+            if self.idle(base_model):
+                self.forget(base_model)
+        return unplaceable
+
+    def idle(self, base_model: str) -> bool:
+        """Whether no cycle put tokens through `base_model` in the last DEMAND_WINDOW_S."""
+        cutoff = time.monotonic() - DEMAND_WINDOW_S
+        return not any(when >= cutoff and name == base_model for when, name, _ in self._ran)
 
     def _demand(self, queued: dict[str, int]) -> dict[str, float]:
         """Each base model's recent and queued tokens, times its weight bytes (a token's cost grows with them)."""

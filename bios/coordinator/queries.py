@@ -13,13 +13,14 @@ from typing import Any
 from bios import account as a
 from bios import messages as m
 from bios import types as t
+from bios.account import DEFAULT_PROJECT
 from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError
 from bios.security.keys import KeyInfo
 
 from .audit import AuditLog
 from .catalog import Catalog
 from .history import RunHistory
-from .labels import DEFAULT_PROJECT, Labels
+from .labels import Labels
 from .store import Store, StoredRun
 from .trace import RequestTimeline
 from .usage import Usage

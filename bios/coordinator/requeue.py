@@ -34,10 +34,13 @@ def requeue(work: CycleWork, outcome: CycleOutcome, runs: dict[str, Run], budget
     """Move the cycle's runs on (committed) or put back what it did not finish (aborted)."""
     verdict = Requeued()
     if not outcome.aborted:
-        for op in work.ops.values():
-            run = runs.get(getattr(op, "model_id", ""))
-            if run is not None:
-                verdict.ran[run.base_model] = verdict.ran.get(run.base_model, 0) + tokens_of(op, None)
+        results = {done.request_id: done.result for done in outcome.results}
+        for request_id, op in work.ops.items():
+            run = runs.get(op.target)
+            base_model = op.base_model if isinstance(op, m.Sample) else run.base_model if run is not None else None
+            if base_model is not None:
+                tokens = tokens_of(op, results.get(request_id))
+                verdict.ran[base_model] = verdict.ran.get(base_model, 0) + tokens
     finished = outcome.finished
     for run in (runs[model_id] for model_id in work.runs if model_id in runs):
         if not outcome.aborted:

@@ -21,7 +21,7 @@ from bios import ids
 from bios import messages as m
 from bios import types as t
 from bios.actors.actor import Actor
-from bios.exceptions import BadRequestError, RemoteError, RequestFailedError
+from bios.exceptions import RemoteError, RequestFailedError
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec
 
@@ -87,12 +87,8 @@ class Scheduler(Actor):
         self.autosave.steps, self.base_infos = restored.steps, restored.infos
         for request_id, op, error in restored.failed:
             await self.results.deliver(request_id, op, None, error)
-        for base_model, lora in {run.base_model: run.lora for run in self.runs.values()}.items():
-            same_base = sum(1 for run in self.runs.values() if run.base_model == base_model)
-            try:
-                self.planner.adopt(self.planner.choose(base_model, lora, adapters=same_base - 1))
-            except BadRequestError as exc:
-                log.error("%s cannot be planned on this pool any more: %s", base_model, exc.message)
+        for base_model, exc in self.planner.plan_runs(list(self.runs.values())).items():
+            log.error("%s cannot be planned on this pool any more: %s", base_model, exc.message)
         if self.samples or any(run.runnable() for run in self.runs.values()):
             self.on_work()
 
@@ -131,6 +127,7 @@ class Scheduler(Actor):
         """Place the base models anew on the live workers (`bios.coordinator.placement`)."""
         self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
         await self._plan_waiting()
+        await self._plan_sampled()
         return self.planner.replace(queued_tokens(self.runs.values()))
 
     def schedule(self, group_id: str, formed: GroupLayout | None) -> CyclePlan:
@@ -268,14 +265,23 @@ class Scheduler(Actor):
     async def _plan_waiting(self) -> None:
         """Plan the base models whose runs were created before any worker joined; if one fits nowhere, its
         runs end with the planner's error, as `create_lora_training_client` would have."""
-        for base_model, lora in self.planner.take_waiting().items():
-            runs = [r for r in self.runs.values() if r.base_model == base_model]
-            try:
-                self.planner.adopt(self.planner.choose(base_model, lora, adapters=len(runs) - 1))
-            except BadRequestError as exc:
-                for run in runs:
-                    if run.status == "creating":
-                        await self._drop_run(run, RemoteError.from_exception(exc))
+        waiting = self.planner.take_waiting()
+        runs = [run for run in self.runs.values() if run.base_model in waiting]
+        for base_model, exc in self.planner.plan_runs(runs).items():
+            for run in [r for r in runs if r.base_model == base_model and r.status == "creating"]:
+                await self._drop_run(run, RemoteError.from_exception(exc))
+
+    async def _plan_sampled(self) -> None:
+        """Place the base models only samples use (`PoolPlanner.place_sampled`); fail the samples of one that
+        fits nowhere."""
+        trained = {run.base_model for run in self.runs.values()}
+        sampled = {queued.op.base_model for queued in self.samples} | {
+            op.base_model for work in self.cycles.values() for op in work.ops.values() if isinstance(op, m.Sample)}
+        for base_model, error in self.planner.place_sampled(trained, sampled).items():
+            failed = [queued for queued in self.samples if queued.op.base_model == base_model]
+            self.samples = [queued for queued in self.samples if queued not in failed]
+            for queued in failed:
+                await self.results.deliver(queued.request_id, queued.op, None, RemoteError.from_exception(error))
 
     async def _drop_run(self, run: Run, error: RemoteError) -> None:
         """A run whose creation failed: it leaves no run, plan or count behind; its requests end with `error`."""

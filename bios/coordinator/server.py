@@ -7,13 +7,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from bios import messages as m
 from bios import wire
 from bios.actors.actor import ActorRef, Policy, spawn
 from bios.actors.remote import serve
@@ -24,6 +22,7 @@ from bios.security.zap import CLIENT_DOMAIN, WORKER_DOMAIN, ZapHandler
 from bios.transport.codec import Limits
 from bios.transport.sockets import Router
 
+from .accounts import Accounts
 from .audit import AuditLog
 from .catalog import Catalog
 from .checkpoints import DirectoryCheckpointStore
@@ -72,12 +71,11 @@ class Coordinator:
         self.store = Store(config.state_dir)
         self.catalog = Catalog(self.store, DirectoryCheckpointStore(config.state_dir / "checkpoints"))
         self.usage = Usage(self.store)  # per-key accounting and the audit log start with the state dir
-        self.audit = AuditLog(self.store.db)
-        self.labels = Labels(self.store)
+        self.accounts = Accounts(self.keys, Labels(self.store), AuditLog(self.store.db), self.store, self.catalog)
         self.membership = Membership(config.heartbeat_timeout_s)
         self.metrics = CoordinatorMetrics()
         self.workers = WorkerEndpoint(workers, self.membership, self.keys, config.worker_heartbeat_s)
-        self.clients = ClientEndpoint(clients, self.codec, self.keys, config.cycle_s,
+        self.clients = ClientEndpoint(clients, self.accounts, config.cycle_s,
                                       lambda: int(workers.address.rsplit(":", 1)[1]), self.workers.ping_any)
         self._tasks: list[asyncio.Task[Any]] = []
         self._started = time.monotonic()
@@ -167,21 +165,6 @@ class Coordinator:
     def close_sockets(self) -> None:
         self.clients.router.close()
         self.workers.router.close()
-
-    # ------------------------------------------------------------------------------------ for the front ends
-
-    def authenticate(self, api_key: str | None) -> str:
-        """The owner an API key stands for (`ClientEndpoint.authenticate`): the HTTP gateway's check too."""
-        return self.clients.authenticate(api_key)
-
-    @property
-    def keys_required(self) -> bool:
-        """True once `bios keys init` ran for the state dir: every front end must then check keys."""
-        return self.keys is not None
-
-    def attach_local_client(self, name: str, on_done: Callable[[m.RequestDone], None]) -> bytes:
-        """Register an in-process front end (the HTTP gateway); its results come to `on_done`."""
-        return self.clients.attach_local(name, on_done)
 
     async def refresh_metrics(self) -> None:
         """Bring the state gauges (workers, queues, busy fraction) up to date before a scrape."""

@@ -16,7 +16,7 @@ from typing import Any
 from bios import ids
 from bios import messages as m
 from bios import types as t
-from bios.account import StoredNow, UsageBucket
+from bios.account import GIGABYTE, HOUR, StoredNow, UsageBucket
 from bios.exceptions import RequestFailedError
 
 from .disk import is_disk_full
@@ -24,8 +24,6 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 
-HOUR = 3600.0
-GIGABYTE = 1e9  # storage is billed in decimal gigabytes
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_hours (

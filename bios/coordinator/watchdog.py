@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from bios.actors.actor import ActorRef
+from bios.cluster_defaults import PROGRESS_EVERY_S
 
 from .front_door import FrontDoor
 
@@ -20,7 +21,6 @@ NO_WORKER = ("no worker is connected (the cluster's workers left or died): it ru
 # Before any worker joined: `bios up`'s own workers may still be starting (loading their models).
 NO_WORKER_YET = ("no worker has joined yet: it runs when one does (workers that `bios up` started join once they "
                  "have started; elsewhere start one with `bios-worker --coordinator ADDRESS`)")
-PROGRESS_EVERY_S = 30.0  # the longest pause between progress checks (and so between NO_WORKER notices)
 from .membership import Membership
 from .scheduler import Scheduler
 

@@ -15,8 +15,8 @@ from typing import Any
 from aiohttp import web
 
 from bios import messages as m
-from bios.coordinator.server import Coordinator
-from bios.coordinator.store import StoredRun
+from bios.coordinator.accounts import Accounts, StoredRun
+from bios.coordinator.front_door import FrontDoor
 from bios.exceptions import BadRequestError, BiosAPIError
 
 from .http_errors import bearer_token, http_status
@@ -27,9 +27,9 @@ CHART_POINTS = 2000  # a run page's charts get at most this many points, thinned
 
 
 class Console:
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.front_door = coordinator.front_door
+    def __init__(self, front_door: FrontDoor, accounts: Accounts) -> None:
+        self.accounts = accounts
+        self.front_door = front_door
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -66,12 +66,12 @@ class Console:
     def _viewer(self, request: web.Request) -> str | None:
         """The owner whose runs the caller sees; None for the admin (every owner's)."""
         key = bearer_token(request.headers.get("Authorization"))
-        keys = self.coordinator.keys
+        keys = self.accounts.keys
         if keys is None:
-            return self.coordinator.authenticate(key)
+            return self.accounts.authenticate(key)
         if keys.is_admin(key):  # the admin key (`bios keys admin-key`); the worker token is refused
             return None
-        return self.coordinator.authenticate(key)
+        return self.accounts.authenticate(key)
 
     async def _read(self, body: Any, viewer: str | None) -> Any:
         if viewer is None:
@@ -79,7 +79,7 @@ class Console:
         return await self.front_door.query(body, viewer)
 
     async def whoami(self, request: web.Request, viewer: str | None) -> dict[str, Any]:
-        return {"owner": viewer, "admin": viewer is None, "keys": self.coordinator.keys_required}
+        return {"owner": viewer, "admin": viewer is None, "keys": self.accounts.keys_required}
 
     async def runs(self, request: web.Request, viewer: str | None) -> dict[str, Any]:
         limit = _int(request, "limit", 1000)
@@ -91,7 +91,7 @@ class Console:
         run_id = request.match_info["run_id"]
         history = await self._read(m.GetTrainingRunMetrics(run_id, CHART_POINTS), viewer)  # checks the owner
         checkpoints = await self._read(m.ListCheckpoints(run_id), viewer)
-        stored = self.coordinator.store.get_run(run_id)
+        stored = self.accounts.run(run_id)
         return {
             "summary": dataclasses.asdict(history.summary),
             "points": [{**dataclasses.asdict(p), "loss_per_token": _per_token(p)} for p in history.points],

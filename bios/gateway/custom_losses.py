@@ -16,7 +16,7 @@ from bios import types as t
 from bios.custom_loss import check_custom_loss
 from bios.exceptions import BadRequestError, NotFoundError
 
-from . import json_wire
+from .json_body import Body
 
 
 SCHEMA = """
@@ -36,7 +36,7 @@ class CustomLosses:
         self.db.executescript(SCHEMA)
         self._losses: dict[tuple[str, str], t.CustomLoss] = {}  # (owner, loss_id) -> the checked graph
 
-    def create(self, owner: str, body: json_wire.Body) -> str:
+    def create(self, owner: str, body: Body) -> str:
         """Check and keep the loss of a create_custom_loss body; returns its loss_id."""
         loss = _parse(body)
         loss_id = f"{body.text('session_id')}:loss:{body.integer('custom_loss_seq_id')}"
@@ -55,11 +55,11 @@ class CustomLosses:
             if row is None:
                 raise NotFoundError(f"no custom loss {loss_id!r} was created with this key: create it with "
                                     "ServiceClient.create_custom_loss", field="loss_fn_config.loss_id")
-            loss = self._losses[(owner, loss_id)] = _parse(json_wire.Body(json.loads(row[0])))
+            loss = self._losses[(owner, loss_id)] = _parse(Body(json.loads(row[0])))
         return loss
 
 
-def _parse(body: json_wire.Body) -> t.CustomLoss:
+def _parse(body: Body) -> t.CustomLoss:
     """The checked loss of a create_custom_loss body (BadRequestError naming what is wrong)."""
     graph = body.child("graph")
     if graph.integer("format", 1) != 1:

@@ -18,7 +18,7 @@ from typing import Any
 
 from bios import messages as m
 from bios.exceptions import RemoteError
-from bios.coordinator.watchdog import PROGRESS_EVERY_S
+from bios.cluster_defaults import PROGRESS_EVERY_S
 
 from . import json_wire
 

@@ -20,13 +20,18 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from bios.actors.actor import ActorStopped
-from bios.coordinator.server import Coordinator
-from bios.exceptions import AuthenticationError, BadRequestError, BiosAPIError, RateLimitError
+from bios.coordinator.accounts import Accounts
+from bios.exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    BiosAPIError,
+    RateLimitError,
+)
 from bios.security.keys import TINKER_PREFIX
 
-from . import json_wire
 from .futures import PROTOBUF
 from .http_errors import http_status
+from .json_body import Body
 from .tokens import JWT_PREFIX, InvalidToken, Tokens
 
 log = logging.getLogger(__name__)
@@ -50,25 +55,25 @@ CALLER = web.RequestKey("caller", Caller)
 OWNER = web.RequestKey("owner", str)  # who a request acts for, from its X-API-Key
 
 
-def identify(api_key: str | None, coordinator: Coordinator, tokens: Tokens) -> Caller:
+def identify(api_key: str | None, accounts: Accounts, tokens: Tokens) -> Caller:
     """The caller a request's X-API-Key (a `tml-` key or a JWT from /auth/token) stands for;
     AuthenticationError for a missing, malformed, wrong or revoked one."""
     if api_key and api_key.startswith(JWT_PREFIX):
         owner, admin = tokens.verify(api_key)
         if admin is not None:
-            if coordinator.keys is None or admin != coordinator.keys.admin_fingerprint():
+            if accounts.keys is None or admin != accounts.keys.admin_fingerprint():
                 raise InvalidToken("the admin key this token was issued for was replaced (bios keys admin-key "
                                    "--rotate): exchange the new one at /api/v1/auth/token")
             return Caller(owner, admin=True)
-        if coordinator.keys is not None and not coordinator.keys.is_active(owner):
+        if not accounts.is_active(owner):
             raise AuthenticationError("the API key this token was issued for was revoked")
         return Caller(owner)
     if not api_key or not api_key.startswith(TINKER_PREFIX):
         raise AuthenticationError("missing or malformed X-API-Key header: pass api_key='tml-...' to the Tinker "
                                   "ServiceClient or set TINKER_API_KEY=tml-...")
-    if coordinator.keys is not None and coordinator.keys.is_admin(api_key):
+    if accounts.keys is not None and accounts.keys.is_admin(api_key):
         return Caller(ADMIN_OWNER, admin=True)
-    return Caller(coordinator.authenticate(api_key))
+    return Caller(accounts.authenticate(api_key))
 
 
 def error_response(exc: BiosAPIError) -> web.Response:
@@ -106,7 +111,7 @@ def http_error(status: int, message: str) -> web.Response:
     return web.json_response({"detail": message, "type": "HTTPError", "field": None}, status=status)
 
 
-async def json_body(request: web.Request) -> json_wire.Body:
+async def json_body(request: web.Request) -> Body:
     if request.content_type == PROTOBUF:
         raise web.HTTPUnsupportedMediaType(text=f"{request.path} takes a JSON body (Content-Type: application/json)")
     raw = await request.read()
@@ -116,7 +121,7 @@ async def json_body(request: web.Request) -> json_wire.Body:
         raise BadRequestError(f"the body is not valid JSON: {exc}", field="body") from None
     if not isinstance(data, dict):
         raise BadRequestError(f"the body must be a JSON object, got {type(data).__name__}", field="body")
-    return json_wire.Body(data)
+    return Body(data)
 
 
 def query_int(request: web.Request, name: str, default: int) -> int:

@@ -3,13 +3,12 @@
 The SDK validates replies strictly (pydantic), so every shape here follows `tinker.types` field for field:
 literal `type` values are exact or absent, datetimes are ISO 8601, checkpoint paths are `tinker://`. Request
 fields are read leniently (unknown ones are ignored, so newer clients keep working) but typed strictly: a
-missing or mistyped field is a BadRequestError naming it.
+missing or mistyped field is a BadRequestError naming it. Bodies are read through `json_body.Body`; the
+`tinker.types` values inside them (model inputs, sampling params, target ids) through `json_types`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 from datetime import datetime, timezone
 from typing import Any
@@ -20,58 +19,11 @@ from bios.account import check_user_metadata
 from bios.checkpoint_path import CheckpointPath
 from bios.exceptions import ERROR_TYPES, BadRequestError, RemoteError
 
+from .json_body import Body
+from .json_types import model_input, sampling_params, target_ids
+
 # Reductions the SDK's chunk combiner knows; a metric with any other suffix is dropped by the client.
 REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash2", "unique"})
-_REQUIRED = object()
-
-
-class Body:
-    """A JSON object's fields, read with their types checked; errors name the field (`where.name`)."""
-
-    def __init__(self, data: Any, where: str = "") -> None:
-        if not isinstance(data, dict):
-            raise BadRequestError(f"{where or 'the body'} must be a JSON object", field=where or "body")
-        self.data = data
-        self.where = where
-
-    def _field(self, name: str) -> str:
-        return f"{self.where}.{name}" if self.where else name
-
-    def _get(self, name: str, types: tuple[type, ...], what: str, default: Any) -> Any:
-        value = self.data.get(name)
-        if value is None:
-            if default is _REQUIRED:
-                raise BadRequestError(f"{self._field(name)} is required", field=self._field(name))
-            return default
-        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-            raise BadRequestError(f"{self._field(name)} must be {what}, got {value!r}", field=self._field(name))
-        return value
-
-    def text(self, name: str, default: Any = _REQUIRED) -> Any:
-        return self._get(name, (str,), "a string", default)
-
-    def integer(self, name: str, default: Any = _REQUIRED) -> Any:
-        return self._get(name, (int,), "an integer", default)
-
-    def number(self, name: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(name, (int, float), "a number", default)
-        if not isinstance(value, int):
-            return value
-        try:
-            return float(value)
-        except OverflowError:
-            raise BadRequestError(f"{self._field(name)} is too large: {str(value)[:20]}...",
-                                  field=self._field(name)) from None
-
-    def flag(self, name: str, default: Any = _REQUIRED) -> Any:
-        return self._get(name, (bool,), "true or false", default)
-
-    def child(self, name: str, default: Any = _REQUIRED) -> Any:
-        value = self._get(name, (dict,), "a JSON object", default)
-        return Body(value, self._field(name)) if isinstance(value, dict) else value
-
-    def array(self, name: str, default: Any = _REQUIRED) -> Any:
-        return self._get(name, (list,), "a list", default)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -221,89 +173,6 @@ def sample(body: Body) -> tuple[m.Sample, int | None]:
         target_prompt_logprobs=target_ids(body.child("target_prompt_logprobs", None)),
     )
     return op, last_n
-
-
-def target_ids(body: Body | None) -> t.TensorData | None:
-    """Tinker's `target_prompt_logprobs` in its JSON form (`data`, `dtype`, `shape`, optionally sparse CSR with
-    `sparse_crow_indices` / `sparse_col_indices`): a dense int64 table, -1 in the cells a sparse one leaves out
-    (they request nothing)."""
-    if body is None:
-        return None
-    import numpy as np
-
-    where = "target_prompt_logprobs"
-    data, shape = body.array("data"), body.array("shape", None)
-    if body.text("dtype", "int64") != "int64" or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                          for x in data):
-        raise BadRequestError(f"{where} must hold int64 token ids", field=where)
-    if shape is None or len(shape) != 2 or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise BadRequestError(f"{where} needs a 2-D shape [len(prompt) - 1, K]", field=f"{where}.shape")
-    values = np.asarray(data, dtype=np.int64)
-    crow, cols = body.array("sparse_crow_indices", None), body.array("sparse_col_indices", None)
-    if crow is None and cols is None:
-        if values.size != shape[0] * shape[1]:
-            raise BadRequestError(f"{where} holds {values.size} values but its shape is {shape}", field=where)
-        return t.TensorData(values.reshape(shape), "int64")
-    try:
-        crow_a, cols_a = np.asarray(crow, dtype=np.int64), np.asarray(cols, dtype=np.int64)
-    except (TypeError, ValueError):
-        crow_a = cols_a = np.zeros(0, dtype=np.int64)
-    rows_n, cols_n = shape
-    if (crow_a.ndim != 1 or crow_a.size != rows_n + 1 or cols_a.size != values.size or crow_a[0] != 0
-            or crow_a[-1] != values.size or (np.diff(crow_a) < 0).any()
-            or (cols_a.size and (cols_a.min() < 0 or cols_a.max() >= cols_n))):
-        raise BadRequestError(f"{where} has inconsistent sparse CSR indices for shape {shape}", field=where)
-    dense = np.full(shape, -1, dtype=np.int64)
-    dense[np.repeat(np.arange(rows_n), np.diff(crow_a)), cols_a] = values
-    return t.TensorData(dense, "int64")
-
-
-def model_input(body: Body) -> t.ModelInput:
-    """Token, image (base64 `data`) and image-pointer chunks, as the tinker SDK's `ModelInput` writes them."""
-    chunks: list[t.ModelInputChunk] = []
-    for i, chunk in enumerate(body.array("chunks")):
-        part = Body(chunk, f"{body.where}.chunks[{i}]")
-        kind = part.text("type", "encoded_text")
-        if kind == "encoded_text":
-            ids = part.array("tokens")
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                raise BadRequestError(f"{part.where}.tokens must be integers", field=f"{part.where}.tokens")
-            chunks.append(t.EncodedTextChunk(ids))
-        elif kind == "image":
-            try:
-                data = base64.b64decode(part.text("data"), validate=True)
-            except binascii.Error:
-                raise BadRequestError(f"{part.where}.data is not base64", field=f"{part.where}.data") from None
-            chunks.append(t.ImageChunk(data, part.text("format"), part.integer("expected_tokens", None)))
-        elif kind == "image_asset_pointer":
-            chunks.append(t.ImageAssetPointerChunk(part.text("format"), part.text("location"),
-                                                   part.integer("expected_tokens", None)))
-        else:
-            raise BadRequestError(f"{part.where} is a {kind} chunk; Bios takes encoded_text, image and "
-                                  "image_asset_pointer chunks", field=part.where)
-    return t.ModelInput(chunks)
-
-
-def sampling_params(body: Body) -> t.SamplingParams:
-    stop = body.data.get("stop")
-    valid = stop is None or isinstance(stop, str) or (
-        isinstance(stop, list) and (all(isinstance(s, str) for s in stop)
-                                    or all(isinstance(s, int) and not isinstance(s, bool) for s in stop)))
-    if not valid:
-        raise BadRequestError(f"{body.where}.stop must be a string, a list of strings or a list of token ids",
-                              field=f"{body.where}.stop")
-    return t.SamplingParams(
-        max_tokens=body.integer("max_tokens", None),
-        seed=body.integer("seed", None),
-        stop=stop,
-        temperature=body.number("temperature", 1.0),
-        top_k=body.integer("top_k", -1),
-        top_p=body.number("top_p", 1.0),
-        min_p=body.number("min_p", 0.0),
-        repetition_penalty=body.number("repetition_penalty", 1.0),
-        presence_penalty=body.number("presence_penalty", 0.0),
-        frequency_penalty=body.number("frequency_penalty", 0.0),
-    )
 
 
 # ------------------------------------------------------------------------------------------ results

@@ -29,11 +29,19 @@ from bios import ids
 from bios import messages as m
 from bios import types as t
 from bios.checkpoint_path import SCHEMES
-from bios.coordinator.server import Coordinator
-from bios.exceptions import ERROR_TYPES, BadRequestError, BiosAPIError, NotFoundError, RequestFailedError
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
+from bios.exceptions import (
+    ERROR_TYPES,
+    BadRequestError,
+    BiosAPIError,
+    NotFoundError,
+    RequestFailedError,
+)
 
-from . import openai_wire as wire
+from . import openai_choices, openai_request, openai_responses
 from .http_errors import bearer_token, http_status
+from .json_body import Body
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +62,10 @@ def openai_error(exc: BiosAPIError) -> web.Response:
 
 
 class OpenAICompat:
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.front_door = coordinator.front_door
-        self.peer = coordinator.attach_local_client("openai", self._done)
+    def __init__(self, front_door: FrontDoor, accounts: Accounts) -> None:
+        self.accounts = accounts
+        self.front_door = front_door
+        self.peer = front_door.attach("openai", self._done)
         self.waiting: dict[str, asyncio.Future[m.RequestDone]] = {}
         self.progress: dict[str, Callable[[m.SampleProgress], None]] = {}  # request id -> its stream, while live
         self.sessions: dict[str, str] = {}  # owner -> the session its samplers are made in
@@ -83,7 +91,7 @@ class OpenAICompat:
         return guarded
 
     def _owner(self, request: web.Request) -> str:
-        return self.coordinator.authenticate(bearer_token(request.headers.get("Authorization")))
+        return self.accounts.authenticate(bearer_token(request.headers.get("Authorization")))
 
     # ------------------------------------------------------------------------------------ routes
 
@@ -120,7 +128,8 @@ class OpenAICompat:
         _known_fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
         tokenizer, base_model = await self._model_tokenizer(owner, body.text("model"))
         if body.data.get("messages") is not None:
-            tokens = _chat_prompt(tokenizer, wire._messages(body), body.flag("add_generation_prompt", True))
+            tokens = _chat_prompt(tokenizer, openai_request.chat_messages(body),
+                                  body.flag("add_generation_prompt", True))
         else:
             prompt = body.text("prompt")
             tokens = list(tokenizer.encode(prompt, add_special_tokens=body.flag("add_special_tokens", True)))
@@ -154,7 +163,7 @@ class OpenAICompat:
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         owner = self._owner(request)
-        req = wire.parse((await _json_body(request)).data, chat=chat)
+        req = openai_request.parse((await _json_body(request)).data, chat=chat)
         sampler = await self._sampler(owner, req.model)
         tokenizer = await self._tokenizer(sampler.base_model)
         prompts = [_encode(tokenizer, p) for p in req.prompts] if not chat else [_chat_prompt(tokenizer, req.messages)]
@@ -164,26 +173,27 @@ class OpenAICompat:
         responses = await asyncio.gather(*(self._sample(owner, sampler, p, req) for p in prompts))
         choices = []
         for i, (prompt, resp) in enumerate(zip(prompts, responses, strict=True)):
-            echo = wire.echo(tokenizer, prompt, resp, req.logprobs, req.logprobs is not None) if req.echo else None
-            sequences = resp.sequences if req.best_of is None else wire.best(resp.sequences, req.n)
+            echo = (openai_choices.echo(tokenizer, prompt, resp, req.logprobs, req.logprobs is not None)
+                    if req.echo else None)
+            sequences = resp.sequences if req.best_of is None else openai_choices.best(resp.sequences, req.n)
             if not req.generate:  # echo with max_tokens 0: the prompt alone, nothing sampled
                 sequences = [t.SampledSequence("length", [], [] if s.logprobs is not None else None)
                              for s in sequences]
-            choices.extend(wire.choice(tokenizer, i * req.n + j, seq, req.stops, req.logprobs, echo)
+            choices.extend(openai_choices.choice(tokenizer, i * req.n + j, seq, req.stops, req.logprobs, echo)
                            for j, seq in enumerate(sequences))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         prompt_tokens = sum(len(p) for p in prompts)
         if not req.stream:
-            return web.json_response(wire.response(req, request_id, choices, prompt_tokens))
+            return web.json_response(openai_responses.response(req, request_id, choices, prompt_tokens))
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await stream.prepare(request)
-        for event in wire.stream_events(req, request_id, choices, prompt_tokens, tokenizer):
+        for event in openai_responses.stream_events(req, request_id, choices, prompt_tokens, tokenizer):
             await stream.write(event)
         await stream.write_eof()
         return stream
 
     async def _live_stream(self, request: web.Request, owner: str, sampler: _Sampler, tokenizer: Any,
-                           prompts: list[list[int]], req: wire.CompletionRequest, request_id: str
+                           prompts: list[list[int]], req: openai_request.CompletionRequest, request_id: str
                            ) -> web.StreamResponse:
         """Each prompt's samples streamed while they run (see the module docstring). Nothing is sent before the
         first piece of text, so a request refused on admission is still an HTTP error."""
@@ -196,11 +206,11 @@ class OpenAICompat:
                  for i, p in enumerate(prompts)]
         for i, task in enumerate(tasks):
             task.add_done_callback(lambda task, i=i: events.put_nowait(("done", i, task)))
-        streams = {(i, j): wire.ChoiceStream(tokenizer, i * req.n + j, req.stops, req.logprobs)
+        streams = {(i, j): openai_choices.ChoiceStream(tokenizer, i * req.n + j, req.stops, req.logprobs)
                    for i in range(len(prompts)) for j in range(req.n)}
-        chunks = wire.StreamChunks(req, request_id)
+        chunks = openai_responses.StreamChunks(req, request_id)
         stream: web.StreamResponse | None = None
-        finished: list[wire.Choice] = []
+        finished: list[openai_choices.Choice] = []
         try:
             pending = len(tasks)
             while pending:
@@ -226,7 +236,7 @@ class OpenAICompat:
                             rest, whole = streams[i, j].final(sequence)
                             out.extend(chunks.piece(rest))
                             finished.append(whole)
-                    except wire.StreamDiverged as exc:
+                    except openai_choices.StreamDiverged as exc:
                         await stream.write(chunks.error(str(exc), "RequestFailedError", 500))
                         break
                 if out and stream is None:
@@ -273,7 +283,7 @@ class OpenAICompat:
                 raise NotFoundError(str(exc), field="model") from None
         return self.tokenizers[base_model]
 
-    async def _sample(self, owner: str, sampler: _Sampler, prompt: list[int], req: wire.CompletionRequest,
+    async def _sample(self, owner: str, sampler: _Sampler, prompt: list[int], req: openai_request.CompletionRequest,
                       progress: Callable[[m.SampleProgress], None] | None = None) -> t.SampleResponse:
         seq_id = next(sampler.seqs)
         want = req.logprobs is not None
@@ -330,15 +340,15 @@ def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], add_generation_
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-async def _json_body(request: web.Request) -> wire.Body:
+async def _json_body(request: web.Request) -> Body:
     try:
         data = await request.json()
     except ValueError as exc:
         raise BadRequestError(f"the body is not valid JSON: {exc}", field="body") from None
-    return wire.Body(data)
+    return Body(data)
 
 
-def _known_fields(body: wire.Body, known: set[str]) -> None:
+def _known_fields(body: Body, known: set[str]) -> None:
     unknown = sorted(k for k, v in body.data.items() if k not in known and v is not None)
     if unknown:
         raise BadRequestError(f"{unknown[0]} is not implemented by this route (it takes {', '.join(sorted(known))})",

@@ -11,16 +11,17 @@ from typing import Any
 from bios import messages as m
 from bios import types as t
 from bios.checkpoint_path import CheckpointPath
-from bios.coordinator.server import Coordinator
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
 
 from . import json_wire, proto
 from .futures import PROTOBUF, Reply, json_reply
 
 
 class Renders:
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.front_door = coordinator.front_door
-        self.labels = coordinator.labels
+    def __init__(self, front_door: FrontDoor, accounts: Accounts) -> None:
+        self.front_door = front_door
+        self.labels = accounts.labels
 
     async def by_type(self, result: Any) -> Reply:
         """A result rendered by its type alone (for promises recovered after a restart)."""

@@ -16,10 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from bios import account as a
-from bios.account import AuditEntry, UsageBucket
-from bios.coordinator.labels import DEFAULT_PROJECT
-from bios.coordinator.server import Coordinator
-from bios.coordinator.usage import GIGABYTE, HOUR
+from bios.account import DEFAULT_PROJECT, GIGABYTE, HOUR, AuditEntry, UsageBucket
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
 from bios.exceptions import BadRequestError, NotFoundError
 
 from .http_io import API, CALLER, Caller, query_time, rfc3339
@@ -30,11 +29,11 @@ DAY = 86400.0
 
 
 class AccountRoutes:
-    def __init__(self, coordinator: Coordinator, tokens: Tokens) -> None:
-        self.coordinator = coordinator
+    def __init__(self, front_door: FrontDoor, accounts: Accounts, tokens: Tokens) -> None:
+        self.accounts = accounts
         self.tokens = tokens
-        self.front_door = coordinator.front_door
-        self.labels = coordinator.labels
+        self.front_door = front_door
+        self.labels = accounts.labels
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -51,7 +50,7 @@ class AccountRoutes:
     async def describe_key(self, request: web.Request) -> web.Response:
         """Tinker's `SelfApiKeyResponse`: `key_id` is the (hex) key id as an integer; `bios_key_id` the id itself."""
         caller: Caller = request[CALLER]
-        keys = self.coordinator.keys
+        keys = self.accounts.keys
         if keys is None:
             return web.json_response(_key_json(0, caller.owner, "a cluster without keys: every tml- key is the "
                                                "local owner", caller))
@@ -63,7 +62,7 @@ class AccountRoutes:
     async def revoke_key(self, request: web.Request) -> web.Response:
         """Revoke the calling key itself (what `tinker auth logout` does), never another."""
         caller: Caller = request[CALLER]
-        keys = self.coordinator.keys
+        keys = self.accounts.keys
         if keys is None or caller.admin:
             raise BadRequestError("only an API key can revoke itself; this cluster has no keys" if keys is None
                                   else "the admin key cannot revoke itself; replace it with `bios keys admin-key "
@@ -75,7 +74,7 @@ class AccountRoutes:
     async def token(self, request: web.Request) -> web.Response:
         """A JWT for the calling key (the tinker SDK's exchange; `bios.gateway.tokens`)."""
         caller: Caller = request[CALLER]
-        keys = self.coordinator.keys
+        keys = self.accounts.keys
         admin = keys.admin_fingerprint() if caller.admin and keys is not None else None
         return web.json_response({"jwt": self.tokens.issue(caller.owner, admin)})
 

@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
+from bios import account as a
 from bios import messages as m
 from bios import types as t
-from bios import account as a
 from bios.account import check_ttl
 from bios.checkpoint_path import CheckpointPath
-from bios.coordinator.copies import copy_checkpoint
-from bios.coordinator.server import Coordinator
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
 from bios.exceptions import BadRequestError, NotFoundError
 
 from . import json_wire
@@ -37,11 +37,11 @@ CHECKPOINT = f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}"
 
 
 class CheckpointRoutes:
-    def __init__(self, coordinator: Coordinator, urls: SignedUrls) -> None:
-        self.coordinator = coordinator
-        self.front_door = coordinator.front_door
-        self.labels = coordinator.labels
-        self.audit = coordinator.audit
+    def __init__(self, front_door: FrontDoor, accounts: Accounts, urls: SignedUrls) -> None:
+        self.accounts = accounts
+        self.front_door = front_door
+        self.labels = accounts.labels
+        self.audit = accounts.audit
         self.urls = urls
 
     def routes(self) -> list[web.RouteDef]:
@@ -141,7 +141,7 @@ class CheckpointRoutes:
         parsed = CheckpointPath.parse(path)
         base = f"{request.scheme}://{request.host}"
         urls, expires = {}, 0.0
-        for file in self.coordinator.catalog.files.files(parsed):
+        for file in self.accounts.checkpoint_files(parsed):
             urls[file.name], expires = self.urls.sign(base, f"checkpoints/{parsed.run_id}/{parsed.kind}/"
                                                             f"{parsed.name}/{file.name}")
         return web.json_response({"urls": urls, "expires": rfc3339(expires or 0.0)})
@@ -151,7 +151,7 @@ class CheckpointRoutes:
         link = f"checkpoints/{info['run_id']}/{info['kind']}/{info['name']}/{info['file']}"
         self.urls.check(link, request.query.get("expires"), request.query.get("sig"))
         path = CheckpointPath.parse(f"bios://{info['run_id']}/{info['kind']}/{info['name']}")
-        for file in self.coordinator.catalog.files.files(path):
+        for file in self.accounts.checkpoint_files(path):
             if file.name == info["file"]:
                 return web.FileResponse(file)
         raise NotFoundError(f"{info['file']} is no longer in checkpoint {path} (deleted since the link was made)")
@@ -164,7 +164,7 @@ class CheckpointRoutes:
         source = str(CheckpointPath.parse(body.text("source_path"), field="source_path"))
         ttl = check_ttl(body.data.get("ttl_seconds"))
         session_id = self.front_door.open_session(owner)
-        copy = copy_checkpoint(self.coordinator.store, self.coordinator.catalog, source, owner, session_id)
+        copy = self.accounts.copy_checkpoint(source, owner, session_id)
         self.front_door.close_session(session_id, owner)
         project = body.data.get("destination_project_id")
         if isinstance(project, str):

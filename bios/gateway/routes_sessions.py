@@ -15,8 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from bios import messages as m
-from bios.coordinator.labels import DEFAULT_PROJECT, SessionSummary
-from bios.coordinator.server import Coordinator
+from bios.account import DEFAULT_PROJECT, SessionSummary
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
 from bios.exceptions import BadRequestError, NotFoundError
 from bios.run_trace import chrome_trace
 
@@ -27,10 +28,10 @@ MAX_SEARCH = 200
 
 
 class SessionRoutes:
-    def __init__(self, coordinator: Coordinator, urls: SignedUrls) -> None:
-        self.coordinator = coordinator
-        self.front_door = coordinator.front_door
-        self.labels = coordinator.labels
+    def __init__(self, front_door: FrontDoor, accounts: Accounts, urls: SignedUrls) -> None:
+        self.accounts = accounts
+        self.front_door = front_door
+        self.labels = accounts.labels
         self.urls = urls
 
     def routes(self) -> list[web.RouteDef]:
@@ -136,7 +137,7 @@ class SessionRoutes:
     async def download_trace(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
         self.urls.check(f"traces/{session_id}.json", request.query.get("expires"), request.query.get("sig"))
-        owner = self.coordinator.store.session_owner(session_id)
+        owner = self.accounts.session_owner(session_id)
         if owner is None:
             raise NotFoundError(f"no session {session_id!r}", field="session_id")
         events: list[dict[str, Any]] = []

@@ -22,8 +22,15 @@ from aiohttp import web
 from bios import ids
 from bios import messages as m
 from bios.account import check_ttl
-from bios.coordinator.server import Coordinator
-from bios.exceptions import BadRequestError, BiosAPIError, NotFoundError, RateLimitError, RemoteError
+from bios.coordinator.accounts import Accounts
+from bios.coordinator.front_door import FrontDoor
+from bios.exceptions import (
+    BadRequestError,
+    BiosAPIError,
+    NotFoundError,
+    RateLimitError,
+    RemoteError,
+)
 from bios.security.listen import check_http
 
 from . import json_wire, proto
@@ -31,6 +38,7 @@ from .console import Console
 from .custom_losses import CustomLosses
 from .futures import PROTOBUF, Promises, Reply, json_reply
 from .http_io import API, CALLER, OWNER, errors, identify, json_body
+from .json_body import Body
 from .openai_api import OpenAICompat
 from .renders import Renders
 from .routes_account import AccountRoutes
@@ -65,21 +73,21 @@ class GatewayConfig:
 class Gateway:
     """The HTTP front end of one coordinator; `start` binds it, `stop` drains long-polls and closes it."""
 
-    def __init__(self, coordinator: Coordinator, config: GatewayConfig | None = None) -> None:
-        self.coordinator = coordinator
-        self.front_door = coordinator.front_door
+    def __init__(self, front_door: FrontDoor, accounts: Accounts, config: GatewayConfig | None = None) -> None:
+        self.accounts = accounts
+        self.front_door = front_door
         self.config = config or GatewayConfig()
         self.promises = Promises(self.config.keep_served_s, self.config.keep_unclaimed_s)
-        self.peer = coordinator.attach_local_client("gateway", self.promises.deliver)
-        self.openai = OpenAICompat(coordinator)  # /v1/...: OpenAI-compatible inference
-        self.console = Console(coordinator)  # / and /console/...: the read-only web console
+        self.peer = front_door.attach("gateway", self.promises.deliver)
+        self.openai = OpenAICompat(front_door, accounts)  # /v1/...: OpenAI-compatible inference
+        self.console = Console(front_door, accounts)  # / and /console/...: the read-only web console
         urls = SignedUrls()  # download links (checkpoint archives, session traces) that need no API key
         self.tokens = Tokens()  # JWTs the tinker SDK exchanges its key for
-        self.custom_losses = CustomLosses(coordinator.store.db)  # create_custom_loss uploads, by key and loss_id
-        self.sessions = SessionRoutes(coordinator, urls)
-        self.checkpoints = CheckpointRoutes(coordinator, urls)
-        self.renders = Renders(coordinator)
-        self.families = [self.sessions, self.checkpoints, AccountRoutes(coordinator, self.tokens),
+        self.custom_losses = CustomLosses(accounts.db)  # create_custom_loss uploads, by key and loss_id
+        self.sessions = SessionRoutes(front_door, accounts, urls)
+        self.checkpoints = CheckpointRoutes(front_door, accounts, urls)
+        self.renders = Renders(front_door, accounts)
+        self.families = [self.sessions, self.checkpoints, AccountRoutes(front_door, accounts, self.tokens),
                          FutureRoutes(self.promises, self.config.poll_s), self.openai, self.console]
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -91,7 +99,7 @@ class Gateway:
     async def _authenticate(self, request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.path.startswith(f"{API}/") and request.path != f"{API}/healthz":
-            caller = identify(request.headers.get("X-API-Key"), self.coordinator, self.tokens)
+            caller = identify(request.headers.get("X-API-Key"), self.accounts, self.tokens)
             request[CALLER], request[OWNER] = caller, caller.owner
         return await handler(request)
 
@@ -178,8 +186,8 @@ class Gateway:
             self.front_door.submit(self.peer, stand_in, owner).add_done_callback(
                 lambda f: f.cancelled() or f.exception())
 
-    async def _ordered(self, request: web.Request, body: json_wire.Body,
-                       parse: Callable[[json_wire.Body], tuple[m.Request, Any]]) -> web.Response:
+    async def _ordered(self, request: web.Request, body: Body,
+                       parse: Callable[[Body], tuple[m.Request, Any]]) -> web.Response:
         """Parse and submit a run's JSON request; one refused here still uses up its seq_id. Requests go to the
         coordinator as they come: it runs a run's requests in seq_id order, however they arrive."""
         owner = request[OWNER]
@@ -300,7 +308,7 @@ class Gateway:
         session_id = (await json_body(request)).text("sampling_session_id")
         await self.front_door.query(m.GetSamplingSession(session_id), request[OWNER])
         return web.json_response({"type": "join_sampling_session",
-                                  "client_counter": self.coordinator.labels.join_sampling_session(session_id)})
+                                  "client_counter": self.accounts.labels.join_sampling_session(session_id)})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
         query = m.GetSamplingSession(request.match_info["sampler_id"])
@@ -348,14 +356,16 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-async def start_gateway(coordinator: Coordinator, address: str, config: GatewayConfig | None = None) -> Gateway:
-    """Serve the Tinker HTTP API for `coordinator` at `address` ("HOST:PORT"); `.url` says where, `stop()` ends it.
+async def start_gateway(front_door: FrontDoor, accounts: Accounts, address: str,
+                        config: GatewayConfig | None = None) -> Gateway:
+    """Serve the Tinker HTTP API of a coordinator (its front door and accounts) at `address` ("HOST:PORT");
+    `.url` says where, `stop()` ends it.
 
     Until API keys exist any `tml-` key is accepted, so only a loopback address may be bound. With keys, a
     public bind is allowed; put TLS in front of it, since keys travel in a header.
     """
     host, port = _split_address(address)
-    check_http(address, keys=coordinator.keys_required)
-    gateway = Gateway(coordinator, config or GatewayConfig.from_env())
+    check_http(address, keys=accounts.keys_required)
+    gateway = Gateway(front_door, accounts, config or GatewayConfig.from_env())
     await gateway.start(host, port)
     return gateway

@@ -175,6 +175,8 @@ class WorkerStatus:
     state: str  # active | joining | idle | waiting | leaving | dead
     last_heartbeat_age_s: float
     note: str = ""  # why a waiting worker waits (its budget cannot hold the pool's plans)
+    models: list[str] = field(default_factory=list)  # the base models its group holds (the placement's)
+    memory_bytes: int = 0  # its memory budget (--memory-limit, else its device's), which placement fills
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from bios.cpu_cores import threads_per_worker
 from bios.security.keys import KeyStore
 
 _PR_SET_PDEATHSIG = 1
-# "2026-01-01 12:00:00,000 coordinator ERROR bios.coordinator.main: message", as the daemons log in text
+# "2026-01-01 12:00:00,000 coordinator ERROR bios.cli.coordinator: message", as the daemons log in text
 _TEXT_LOG = re.compile(r"^\S+ \S+ \S+ [A-Z]+ \S+: (.*)$")
 
 
@@ -122,7 +122,7 @@ class LocalCluster:
         self.coordinator = self._spawn(
             "coordinator",
             [
-                "-m", "bios.coordinator.main",
+                "-m", "bios.cli.coordinator",
                 "--listen", listen,
                 *(["--worker-port", str(worker_port)] if worker_port is not None else []),
                 "--state-dir", str(self.state_dir),
@@ -156,7 +156,7 @@ class LocalCluster:
         if keys is not None:  # a keyed state dir: workers join with its token (through the environment, not argv)
             self.env["BIOS_WORKER_TOKEN"] = str(keys.cluster.worker_token())
             keys.close()
-        args = ["-m", "bios.worker.main", "--coordinator", self.address, "--log-level", self.log_level]
+        args = ["-m", "bios.cli.worker", "--coordinator", self.address, "--log-level", self.log_level]
         threads = self.worker_threads or threads_per_worker(self.num_workers)  # workers share this machine's cores
         args += ["--threads", str(threads)]
         limit = memory_limit if memory_limit is not None else self.worker_memory_limit

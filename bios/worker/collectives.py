@@ -207,6 +207,17 @@ class CollectiveGroup:
         except Exception as exc:
             raise CollectiveError(f"collective failed in generation {self.generation}: {exc}") from exc
 
+    def settle(self) -> None:
+        """After sums in subgroups (tensor parallelism), which can fail for some members and succeed for others:
+        one last collective over everyone decides, so survivors never disagree about what the sums were for."""
+        if self.tp > 1:
+            self.all_reduce_sum_(torch.zeros(1))
+
+    def all_gather_replicas(self, obj: Any) -> list[Any]:
+        """Every replica's `obj` (its first member's: the shard holders of one replica compute the same), in
+        replica order."""
+        return self.all_gather_object(obj)[:: self.tp]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every member's `obj`, in rank order: `dist.all_gather_object`, but made of abortable collectives (the
         first collective after a forward phase, where a busier member's peers wait longest)."""

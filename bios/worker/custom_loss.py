@@ -31,27 +31,35 @@ def _function(target: str) -> Callable[..., Any]:
     return getattr(_MODULES[module], name)
 
 
+def check_custom_inputs(loss: t.CustomLoss, inputs: Mapping[str, t.TensorData], num_tokens: int, where: str) -> None:
+    """BadRequestError unless a datum has every input of rank 0 or 2 the loss reads, at that rank (a rank-2 one
+    over the datum's tokens). Its rank-1 inputs are the request spec's to check (`spec.check_forward` requires
+    each, shaped [tokens]): with this, the worker's wall (`engine.check_item`) covers every input a loss reads."""
+    for item in loss.inputs[1:]:
+        if item.rank == 1:
+            continue
+        field = f"{where}.loss_fn_inputs.{item.name}"
+        if item.name not in inputs:
+            raise BadRequestError(f"{where}: custom loss {loss.name!r} reads loss_fn_inputs[{item.name!r}], which "
+                                  "the datum lacks", field=field)
+        shape = tuple(inputs[item.name].shape)
+        if len(shape) != item.rank or (item.rank >= 1 and shape[0] != num_tokens):
+            raise BadRequestError(f"{where}.loss_fn_inputs[{item.name!r}] has shape {shape}; custom loss "
+                                  f"{loss.name!r} declared rank {item.rank} over the datum's {num_tokens} tokens",
+                                  field=field)
+
+
 class CompiledLoss:
-    """A custom loss ready to run: `loss(logprobs [T], inputs) -> (scalar loss, metrics)`."""
+    """A custom loss ready to run: `loss(logprobs [T], inputs) -> (scalar loss, metrics)`. Its data is checked
+    by the worker's wall (`engine.check_item`, with `graph`), not here."""
 
     def __init__(self, loss: t.CustomLoss) -> None:
         rules.check_custom_loss(loss)
+        self.graph = loss
         self.name = loss.name
         self.inputs = loss.inputs
         self._nodes = loss.nodes
         self._functions = {node.name: _function(node.target) for node in loss.nodes if node.op == "call_function"}
-
-    def check_inputs(self, inputs: Mapping[str, Tensor], num_tokens: int) -> None:
-        """BadRequestError unless the datum has every input the loss reads, at its declared rank."""
-        for item in self.inputs[1:]:
-            if item.name not in inputs:
-                raise BadRequestError(f"custom loss {self.name!r} reads loss_fn_inputs[{item.name!r}], which the "
-                                      "datum lacks", field=f"loss_fn_inputs.{item.name}")
-            shape = tuple(inputs[item.name].shape)
-            if len(shape) != item.rank or (item.rank >= 1 and shape[0] != num_tokens):
-                raise BadRequestError(f"loss_fn_inputs[{item.name!r}] has shape {shape}; custom loss {self.name!r} "
-                                      f"declared rank {item.rank} over the datum's {num_tokens} tokens",
-                                      field=f"loss_fn_inputs.{item.name}")
 
     def __call__(self, logprobs: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         values: dict[str, Any] = {}

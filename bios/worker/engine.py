@@ -5,12 +5,18 @@ adapters run together (grouped per adapter so each LoRA layer loops over a few r
 micro-batches by a padded-token budget. Gradients land in each adapter's `pending_grad`; the daemon then
 all-reduces them if needed and calls `commit_gradients` (or `discard_gradients` when the cycle aborts), and
 `optim_step` applies AdamW to the committed gradient.
+
+`check_item` is the worker's one wall for a forward item: the executor runs it on each request before batching
+it with other tenants' (a bad one fails alone), and `forward_backward` runs it itself unless told its items
+passed it. Past the wall nothing checks the request again: `_prepare_rows` only converts, the losses only compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,13 +25,14 @@ from bios import spec
 from bios.exceptions import BadRequestError
 from bios.kernels.adamw import adamw_step
 from bios.kernels.dimuon import DimuonFactor, dimuon_step
-from bios.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse, TensorData
+from bios.types import (AdamParams, BaseModelInfo, CustomLoss, Datum, DimuonParams, ForwardBackwardOutput,
+                        OptimStepResponse, TensorData)
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
 from bios.worker.compute_mode import packing_enabled
-from bios.worker.custom_loss import CompiledLoss
+from bios.worker.custom_loss import CompiledLoss, check_custom_inputs
 from bios.worker.factor_copies import FactorCopy, factor_copies
-from bios.worker.losses import compute_loss, fixed_token_weights, validate_inputs
+from bios.worker.losses import compute_loss, fixed_token_weights
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
 from bios.worker.packing import attention_pair_cost, pack_rows, packed_layout, packed_sequences
 from bios.worker.vision import ImageReader, RowImages
@@ -81,51 +88,49 @@ def target_logprobs(hidden: Tensor, lm_head: LoraLinear, targets: Tensor) -> Ten
     return lm_head(hidden, target_ids=targets)
 
 
-def _prepare_rows(model: nn.Module, items: list[ForwardItem], reader: ImageReader | None) -> list[_Row]:
-    """Check and convert every datum before any compute, so a bad one fails the call with nothing changed.
-    Image positions get weight 0 (`_POSITION_WEIGHTS`)."""
-    vocab_in = model.get_input_embeddings().num_embeddings
-    vocab_out = model.get_output_embeddings().out_features
+def check_item(data: list[Datum], loss_fn: str, loss_fn_config: Mapping[str, Any] | None,
+               custom_loss: CustomLoss | None, limits: spec.ModelLimits | None) -> None:
+    """The worker's wall for one forward / forward_backward item: the request spec's rules (`spec.check_forward`)
+    against `limits` (`model_limits`), and what only a custom loss's graph declares: its inputs of rank 0 and 2.
+    BadRequestError naming the field."""
+    spec.check_forward(data, loss_fn, loss_fn_config, limits, custom_loss)
+    if custom_loss is not None:
+        for index, datum in enumerate(data):
+            check_custom_inputs(custom_loss, datum.loss_fn_inputs, datum.model_input.length, f"data[{index}]")
+
+
+def model_limits(model: nn.Module, info: BaseModelInfo | None = None, reader: ImageReader | None = None
+                 ) -> spec.Limits:
+    """What `check_item` checks against: the base model's limits (`info`), with the vocabulary its input
+    embeddings and output head hold, so every id that passes the wall indexes both. Without `info` (a direct
+    caller of `forward_backward`) the context is unbounded and images are the `reader`'s."""
+    vocab = min(model.get_input_embeddings().num_embeddings, model.get_output_embeddings().out_features)
+    if info is not None:
+        return spec.Limits(info.name, min(vocab, info.vocab_size), info.max_context_length, info.vision)
+    name = getattr(model.config, "name_or_path", "") or "this model"
+    return spec.Limits(name, vocab, sys.maxsize, None if reader is None else reader.vision)
+
+
+def _prepare_rows(items: list[ForwardItem], reader: ImageReader | None) -> list[_Row]:
+    """Every datum as tensors, its images expanded, before any compute; image positions get weight 0
+    (`_POSITION_WEIGHTS`). The items passed `check_item`, so nothing here checks them again."""
     rows = []
     for item_index, item in enumerate(items):
-        try:
-            if item.custom_loss is None:
-                spec.loss_config(item.loss_fn, item.loss_fn_config)
-        except BadRequestError as error:
-            raise ValueError(f"item {item_index} ({item.adapter.model_id}): {error.message}") from None
         for datum_index, datum in enumerate(item.data):
-            where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}"
             expanded = None
             if reader is not None and datum.model_input.has_images:
-                expanded = reader.expand(datum.model_input, f"{where}: model_input")
+                where = f"item {item_index} ({item.adapter.model_id}), datum {datum_index}: model_input"
+                expanded = reader.expand(datum.model_input, where)
                 tokens = expanded.tokens
             else:
                 tokens = torch.tensor(datum.model_input.to_ints(), dtype=torch.int64)
-            if tokens.numel() == 0:
-                raise ValueError(f"{where}: model_input has no tokens")
             inputs = {key: value.to_torch() for key, value in datum.loss_fn_inputs.items()}
-            try:
-                if item.custom_loss is not None:
-                    item.custom_loss.check_inputs(inputs, tokens.numel())
-                else:
-                    validate_inputs(item.loss_fn, inputs, tokens.numel())
-            except BadRequestError as error:
-                raise ValueError(f"{where}: {error.message}") from None
-            targets = inputs["target_tokens"]
-            if targets.is_floating_point():
-                raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be int64 token ids, got float32")
-            for name, ids, limit in (("model_input", tokens, vocab_in), ("target_tokens", targets, vocab_out)):
-                outside = ids[(ids < 0) | (ids >= limit)]
-                if outside.numel():
-                    raise ValueError(
-                        f"{where}: {name} holds token id {int(outside[0])}, outside this model's vocabulary [0, {limit})"
-                    )
             text_mask = None
             if expanded is not None:
                 text_mask = ~expanded.image_mask
                 inputs.update({key: inputs[key] * text_mask for key in _POSITION_WEIGHTS if key in inputs})
-            rows.append(_Row(item_index, datum_index, item.adapter, tokens, targets.to(torch.int64), inputs,
-                             None if expanded is None else expanded.images, text_mask))
+            rows.append(_Row(item_index, datum_index, item.adapter, tokens, inputs["target_tokens"].to(torch.int64),
+                             inputs, None if expanded is None else expanded.images, text_mask))
     return rows
 
 
@@ -285,7 +290,7 @@ def _padded_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterSta
 
 def forward_backward(
     model: nn.Module, items: list[ForwardItem], *, max_tokens_per_pass: int = 16384,
-    images: ImageReader | None = None,
+    images: ImageReader | None = None, checked: bool = False,
 ) -> list[ForwardBackwardOutput]:
     """Log-probs and summed loss of every datum of every item; gradients into `pending_grad` unless forward_only.
 
@@ -293,11 +298,20 @@ def forward_backward(
     is 0 and such positions count for nothing in any loss.
 
     Rows needing gradients and forward-only rows run in separate passes, so forward-only items build no graph.
-    Raises ValueError (before computing anything) on an unknown loss or config key, a missing input, a length
-    mismatch or a token id outside the vocabulary.
+    `checked`: every item already passed `check_item` (the executor's wall). Otherwise each is checked here
+    against the model's own limits (`model_limits`), and a bad one raises ValueError naming it before anything
+    is computed.
     """
+    if not checked:
+        limits = model_limits(model, reader=images)
+        for index, item in enumerate(items):
+            try:
+                check_item(item.data, item.loss_fn, item.loss_fn_config,
+                           None if item.custom_loss is None else item.custom_loss.graph, limits)
+            except BadRequestError as error:
+                raise ValueError(f"item {index} ({item.adapter.model_id}): {error.message}") from None
     attach_lora(model)
-    rows = _prepare_rows(model, items, images)
+    rows = _prepare_rows(items, images)
     for item in items:
         if not item.forward_only and not item.adapter.grad_views_intact():
             raise RuntimeError(

@@ -1,28 +1,30 @@
 """Runs one cycle's work items on this worker, as one member of its generation's collective group.
 
-Phases: new adapters first; then all forward/forward_backward work of every run together (each member takes
-its contiguous, token-balanced shard of every batch; rows of different adapters share forward passes); then
-the gradient sum across members (one all-reduce per adapter) and the commit; then each run's closing op
-(optim_step, save, load), replicated on every member; then this member's share of the samples.
+Five phases: new adapters; the forward/forward_backward work of every run together (each replica takes its
+contiguous, token-balanced shard of every batch; rows of different adapters share forward passes); the gradient
+sum across members and the commit; each run's closing op (optim_step, save, load), replicated on every member;
+this member's share of the samples.
+
+Every item passes the worker's one wall before it joins a batch: `engine.check_item` for forward work (the
+request spec's rules, against the base model), `spec.check_optim_params` and `spec.check_sample` for the
+others. A bad item fails alone; nothing past the wall checks the request again.
 
 A failed collective aborts the cycle: uncommitted gradients are dropped and the coordinator re-runs what did
 not finish. Every member reports what it finished; the coordinator keeps the first report of each item.
 
-Tensor parallelism (see bios/worker/tensor_parallel.py and collectives.py): batches are split over replicas,
-not members; the k shard holders of a replica run the same rows, sum the LoRA gradients only they each saw a
-share of (`reduce_shared_grads`) and then sum across replicas; the optimizer clips by the whole adapter's
-norm; saves gather the whole adapter, so a checkpoint is the one a single worker would write.
+Tensor parallelism is the adapters' business (`adapter_kinds`): a sharded adapter sums its gradients, clips by
+the whole adapter's norm, steps, gathers the whole adapter to save it and loads a whole checkpoint as a whole
+adapter does, so nothing here asks which kind it holds. Batches are split over replicas, not members: the k
+shard holders of a replica run the same rows (`bios/worker/tensor_parallel.py`, docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from bios import spec
 from bios import messages as m
@@ -31,25 +33,19 @@ from bios.exceptions import BadRequestError, RemoteError
 from bios.kernels.prepacked import PrepackedWeights
 
 from . import engine
-from .adapter import AdapterState
-from .checkpoint import export_state, load_into
+from .adapter_kinds import Adapter
+from .checkpoint import export_state
 from .collectives import CollectiveError, CollectiveGroup
 from .custom_loss import CompiledLoss
-from .pool import Adapter, ModelPool
+from .pool import ModelPool
 from .sampling import SampleItem, generate
+from .tensor_parallel import TensorParallelError
 from .vision import image_reader
-from .sharded_adapter import (
-    copy_full_into_shard,
-    gather_full_adapter,
-    reduce_shared_grads,
-    sharded_grad_norm,
-    sharded_optim_step,
-)
-from .tensor_parallel import shard_info, TensorParallelError
 
 log = logging.getLogger(__name__)
 
 Report = Callable[[m.ItemDone | m.SampleProgress], None]
+Batch = list[tuple[m.WorkItem, Adapter]]  # one base model's forward items, with their adapters
 
 
 @dataclass(frozen=True)
@@ -80,245 +76,202 @@ class CycleExecutor:
     def __init__(self, pool: ModelPool, group: CollectiveGroup) -> None:
         self.pool = pool
         self.group = group
-        self.grad_norms: dict[str, float] = {}  # whole-adapter norm of each committed gradient (sharded adapters)
         self.prepacked = PrepackedWeights()  # the sampler's weight copies, kept across cycles that only sample
 
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
         started = time.perf_counter()
-        creates = [i for i in cycle.items if isinstance(i.op, m.CreateModel)]
-        forwards = [i for i in cycle.items if isinstance(i.op, m.FORWARD_TYPES)]
-        samples = [i for i in cycle.items if isinstance(i.op, m.Sample)]
-        closing = [i for i in cycle.items if i not in creates and i not in forwards and i not in samples]
+        creates, forwards, closing, samples = _phases(cycle.items)
         # Only the adapters this cycle may change: any other one's checksum before it is the one after it (and
         # the one the worker registers with), and a worker holding many runs would fingerprint them all each cycle
         before = self.held_checksums({i.op.target for i in (*creates, *forwards, *closing)})
         if len(samples) < len(cycle.items):
             self.prepacked.release()  # training passes, loads and saves get their memory back
-        touched: set[str] = set()
         try:
-            for item in creates:
-                done = _attempt(cycle.cycle_id, item, lambda op=item.op: self.pool.create(op))
-                if done is not None:
-                    report(done)
-                touched.add(item.op.target)
+            touched = self._create_phase(cycle.cycle_id, creates, report)
             touched |= self._forward_phase(cycle.cycle_id, forwards, report)
-            mark = time.perf_counter()
-            for item in closing:
-                done = _attempt(cycle.cycle_id, item, lambda item=item: self._closing_op(item.op))
-                if done is not None:
-                    report(done)
-                touched.add(item.op.model_id)
-            self.seconds["closing"] = time.perf_counter() - mark
-            mark = time.perf_counter()
-            self._sample_phase(cycle.cycle_id, samples, report)
-            self.seconds["sample"] = time.perf_counter() - mark
+            touched |= self._timed("closing", self._closing_phase, cycle.cycle_id, closing, report)
+            self._timed("sample", self._sample_phase, cycle.cycle_id, samples, report)
         except (CollectiveError, TensorParallelError) as exc:
             log.warning("cycle %d aborted: %s", cycle.cycle_id, exc)
             return CycleOutcome(True, str(exc), {})
-        checksums = {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(touched)
-                     if mid in self.pool.adapters}
+        checksums = self._checksums(touched)
         self.seconds["cycle"] = time.perf_counter() - started
         return CycleOutcome(False, "", checksums, self.seconds, before)
 
-    # ------------------------------------------------------------------------------------ forward
+    def _timed(self, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+        mark = time.perf_counter()
+        result = fn(*args)
+        self.seconds[phase] = time.perf_counter() - mark
+        return result
+
+    # ------------------------------------------------------------------------------------ 1. new adapters
+
+    def _create_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> set[str]:
+        for item in items:
+            _attempt(cycle_id, item, lambda op=item.op: self.pool.create(op), report)
+        return {item.op.target for item in items}
+
+    # ------------------------------------------------------------------------------------ 2-3. forward, sum, commit
 
     def _forward_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> set[str]:
         """Shard, compute, gather outputs, sum gradients, commit; returns the runs whose gradients changed."""
-        groups: dict[str, list[tuple[m.WorkItem, Adapter]]] = {}
-        for item in items:
-            try:
-                adapter = self.pool.adapter(item.op.model_id)
-                op = item.op
-                spec.check_forward(op.data, op.loss_fn, op.loss_fn_config, adapter.base.info, op.custom_loss)
-            except Exception as exc:
-                report(_failed(cycle_id, item, exc))
-                continue
-            groups.setdefault(adapter.base_model, []).append((item, adapter))
-        if not groups:
+        batches = self._admit(cycle_id, items, report)
+        if not batches:
             return set()
         mark = time.perf_counter()
-        local: dict[str, Any] = {}
-        for base_model, group in groups.items():
-            local[base_model] = self._run_shard(group)
+        local = {base_model: self._run_shard(batch) for base_model, batch in batches.items()}
         self.seconds["forward"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        gathered = self.group.all_gather_object(local)
+        gathered = self.group.all_gather_replicas(local)
         touched: set[str] = set()
-        for base_model, group in groups.items():
-            parts = [g[base_model] for g in gathered[:: self.group.tp]]  # one member per replica
+        for base_model, batch in batches.items():
+            parts = [replica[base_model] for replica in gathered]
             failure = next((p for p in parts if isinstance(p, RemoteError)), None)
-            training = sorted({a.state.model_id for it, a in group if not it.op.forward_only})
             if failure is not None:
-                for _, adapter in group:
-                    engine.discard_gradients(adapter.state)
-                for item, _ in group:
+                _discard(adapter for _, adapter in batch)
+                for item, _ in batch:
                     report(m.ItemDone(cycle_id, item.request_id, error=failure))
                 continue
-            norms = self._sum_and_commit([a for _, a in group], training)
+            training = sorted({a.state.model_id for it, a in batch if not it.op.forward_only})
+            norms = self._sum_and_commit([a for _, a in batch], training)
             self.seconds["allreduce"] = time.perf_counter() - mark
             touched.update(training)
-            for index, (item, adapter) in enumerate(group):
+            for index, (item, adapter) in enumerate(batch):
                 output = _merge([p[index] for p in parts])
                 if not item.op.forward_only:
                     output.metrics["grad_norm:max"] = norms[adapter.state.model_id]
                 report(m.ItemDone(cycle_id, item.request_id, result=output))
         return touched
 
-    def _run_shard(self, group: list[tuple[m.WorkItem, Adapter]]) -> list[t.ForwardBackwardOutput] | RemoteError:
-        """This member's shard of every item in one batched call: its outputs, or the error every member sees."""
-        batch, slots = [], []
-        for item, adapter in group:
+    def _admit(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> dict[str, Batch]:
+        """The wall: each item checked alone against its base model (`engine.check_item`), so a bad one fails
+        without its batch; the rest by base model."""
+        batches: dict[str, Batch] = {}
+        for item in items:
+            op = item.op
+            try:
+                adapter = self.pool.adapter(op.model_id)
+                engine.check_item(op.data, op.loss_fn, op.loss_fn_config, op.custom_loss,
+                                  engine.model_limits(adapter.base.model, adapter.base.info))
+            except Exception as exc:
+                report(_failed(cycle_id, item, exc))
+                continue
+            batches.setdefault(adapter.base_model, []).append((item, adapter))
+        return batches
+
+    def _run_shard(self, batch: Batch) -> list[t.ForwardBackwardOutput] | RemoteError:
+        """This replica's shard of every item in one batched call: its outputs, or the error every member sees."""
+        items, slots = [], []
+        for item, adapter in batch:
             op = item.op
             start, end = shard_range([d.model_input.length for d in op.data], self.group.replicas,
                                      self.group.replica)
             slots.append(end > start)
             if end > start:
                 custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
-                batch.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
+                items.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
                                                 op.forward_only, custom))
-        base = group[0][1]
+        base = batch[0][1]
         try:
-            outputs = iter(engine.forward_backward(base.base.model, batch,
+            outputs = iter(engine.forward_backward(base.base.model, items, checked=True,
                                                    max_tokens_per_pass=self.pool.tokens_per_pass(base.base_model),
                                                    images=image_reader(base.base.info, base.base.image_processor))
-                           if batch else ())
+                           if items else ())
         except TensorParallelError:
-            for _, adapter in group:
-                engine.discard_gradients(adapter.state)
+            _discard(adapter for _, adapter in batch)
             raise
         except Exception as exc:
-            log.exception("a batched forward of %d items failed", len(batch))
-            for _, adapter in group:
-                engine.discard_gradients(adapter.state)
+            log.exception("a batched forward of %d items failed", len(items))
+            _discard(adapter for _, adapter in batch)
             return RemoteError.from_exception(exc)
         return [next(outputs) if has_rows else _empty_output() for has_rows in slots]
 
     def _sum_and_commit(self, adapters: list[Adapter], training: list[str]) -> dict[str, float]:
-        """Sum every member's gradient contributions, then commit them on every member or on none.
+        """Sum every member's gradient contributions, then commit them on every member or on none; returns each
+        run's whole-adapter gradient norm.
 
-        Under tensor parallelism the sums run in subgroups, which can fail for some members and succeed for
-        others; one last collective over everyone decides, so survivors never disagree about a commit. The
-        whole adapter's gradient norm is taken then too, so the optimizer step needs no collective of its own
-        (one that could half-succeed after its request was reported done).
+        Sums can run in subgroups (a sharded adapter's), which can fail for some members and succeed for others;
+        `settle` decides for everyone, so survivors never disagree about a commit. Every collective runs before
+        the first commit, so neither the commit nor the optimizer step after it needs one of its own.
         """
         by_id = {a.state.model_id: a for a in adapters}
-        norms: dict[str, float] = {}
         try:
             for model_id in training:  # every member walks the same sorted list: collectives line up
-                adapter = by_id[model_id]
-                info = shard_info(adapter.base.model)
-                if info is not None:
-                    self.group.guard(lambda: reduce_shared_grads(adapter.state, info, self.group.tp_group))
-                self.group.all_reduce_replicas_(adapter.state.pending_grad)
-                if info is not None:
-                    total = adapter.state.grad + adapter.state.pending_grad
-                    norms[model_id] = self.group.guard(
-                        lambda: sharded_grad_norm(adapter.state, info, self.group.tp_group, grad=total))
-            if self.group.tp > 1:
-                self.group.all_reduce_sum_(torch.zeros(1))
+                by_id[model_id].sum_grads(self.group)
+            self.group.settle()
         except CollectiveError:
-            for adapter in by_id.values():
-                engine.discard_gradients(adapter.state)
+            _discard(by_id.values())
             raise
-        self.grad_norms.update(norms)
-        for model_id in training:
-            local_norm = engine.commit_gradients(by_id[model_id].state)
-            norms.setdefault(model_id, local_norm)  # a shard's local norm is not the whole adapter's
-        return norms
+        return {model_id: by_id[model_id].commit() for model_id in training}
 
-    # ------------------------------------------------------------------------------------ membership
+    # ------------------------------------------------------------------------------------ 4. closing ops
 
-    def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
-        """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
-        shard (rank 0 without tensor parallelism), or its checkpoint."""
-        wanted = {spec.model_id: spec for spec in msg.adapters}
-        if msg.source_tp != msg.tp and any(spec.model_id not in msg.restore for spec in msg.adapters):
-            raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
-        for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
-            del self.pool.adapters[model_id]
-        self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
-        self.grad_norms.clear()
-        self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
-                           msg.tp, msg.epoch, msg.collective_timeout_s)
-        self.pool.bind_group(self.group.tp_group)
-        for wanted_spec in msg.adapters:
-            checkpoint = msg.restore.get(wanted_spec.model_id)
-            if checkpoint is not None or wanted_spec.model_id not in self.pool.adapters:
-                self.pool.create(m.CreateModel("", 0, wanted_spec.base_model, wanted_spec.lora, state=checkpoint,
-                                               with_optimizer=True, optimizer=wanted_spec.optimizer),
-                                 model_id=wanted_spec.model_id,
-                                 seed=wanted_spec.lora.seed or 0)
-        for model_id in sorted(wanted):
-            state = self.pool.adapters[model_id].state
-            engine.discard_gradients(state)
-            if model_id in msg.restore:
-                continue
-            step = torch.tensor([state.step], dtype=torch.int64)
-            for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
-                self.group.broadcast_from_first_replica_(buffer)
-            state.step = int(step.item())
-        return {self._checksum_key(mid): self.pool.adapters[mid].state.checksum() for mid in sorted(wanted)}
-
-    def held_checksums(self, model_ids: Collection[str] | None = None) -> dict[str, float]:
-        """Checksums of the whole adapters this worker holds (none while it holds shards), those of `model_ids`
-        only if given, for registering again: the coordinator may take them as the current state if no other
-        holder survived."""
-        if self.group.tp != 1:
-            return {}
-        return {model_id: adapter.state.checksum() for model_id, adapter in self.pool.adapters.items()
-                if model_ids is None or model_id in model_ids}
-
-    def _checksum_key(self, model_id: str) -> str:
-        """Replicas of the same shard must agree; different shards of one adapter differ by nature."""
-        return model_id if self.group.tp == 1 else f"{model_id}/shard{self.group.tp_rank}"
-
-    # ------------------------------------------------------------------------------------ closing ops
+    def _closing_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> set[str]:
+        for item in items:
+            _attempt(cycle_id, item, lambda op=item.op: self._closing_op(op), report)
+        return {item.op.model_id for item in items}
 
     def _closing_op(self, op: m.Request) -> Any:
         if isinstance(op, m.OptimStep):
             adapter = self.pool.adapter(op.model_id)
             spec.check_optim_params(op.adam_params, adapter.state.optimizer)
-            info = shard_info(adapter.base.model)
-            if info is None:
-                return engine.optim_step(adapter.state, op.adam_params)
-            norm = self.grad_norms.pop(op.model_id, None)
-            return self.group.guard(lambda: sharded_optim_step(adapter.state, op.adam_params, info,
-                                                               self.group.tp_group, grad_norm=norm))
+            return adapter.optim_step(op.adam_params, self.group)
         if isinstance(op, m.SaveWeights):
             adapter = self.pool.adapter(op.model_id)
-            saved = export_state(self._whole(adapter), base_model=adapter.base_model, base_info=adapter.base.info,
-                                 with_optimizer=op.kind == "weights")
+            saved = export_state(adapter.whole(self.group), base_model=adapter.base_model,
+                                 base_info=adapter.base.info, with_optimizer=op.kind == "weights")
             if op.kind == "sampler_weights":
                 self.pool.add_sampler(op.path, adapter.base_model, saved)
             return m.SavedState(saved) if self.group.rank == 0 else None
         if isinstance(op, m.LoadWeights):
             if op.state is None:
                 raise BadRequestError(f"no checkpoint data came with the load of {op.path}", field="path")
-            adapter = self.pool.adapter(op.model_id)
-            info = shard_info(adapter.base.model)
-            self.grad_norms.pop(op.model_id, None)  # the load drops the committed gradient
-            if info is None:
-                load_into(adapter.state, op.state, with_optimizer=op.optimizer)
-            else:
-                shard = adapter.state
-                full = AdapterState(shard.model_id, shard.config,
-                                    [info.full_target(target.module_name) for target in shard.targets], shard.seed,
-                                    shard.params.device)
-                full.optimizer = shard.optimizer
-                load_into(full, op.state, with_optimizer=op.optimizer)
-                copy_full_into_shard(full, shard, info)
+            self.pool.adapter(op.model_id).load(op.state, with_optimizer=op.optimizer)
             return t.LoadWeightsResponse(path=op.path, model_id=op.model_id)
         raise BadRequestError(f"workers do not run {type(op).__name__}", field="kind")
 
-    def _whole(self, adapter: Adapter) -> AdapterState:
-        """The whole adapter: itself, or gathered from the shard holders of this member's replica."""
-        info = shard_info(adapter.base.model)
-        if info is None:
-            return adapter.state
-        return self.group.guard(lambda: gather_full_adapter(adapter.state, info, self.group.tp_group))
+    # ------------------------------------------------------------------------------------ membership
 
-    # ------------------------------------------------------------------------------------ sampling
+    def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
+        """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
+        shard (rank 0 without tensor parallelism), or its checkpoint."""
+        wanted = {held.model_id: held for held in msg.adapters}
+        if msg.source_tp != msg.tp and any(held.model_id not in msg.restore for held in msg.adapters):
+            raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
+        for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
+            del self.pool.adapters[model_id]
+        self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
+        self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
+                           msg.tp, msg.epoch, msg.collective_timeout_s)
+        self.pool.bind_group(self.group.tp_group)
+        for held in msg.adapters:
+            checkpoint = msg.restore.get(held.model_id)
+            if checkpoint is not None or held.model_id not in self.pool.adapters:
+                self.pool.create(m.CreateModel("", 0, held.base_model, held.lora, state=checkpoint,
+                                               with_optimizer=True, optimizer=held.optimizer),
+                                 model_id=held.model_id, seed=held.lora.seed or 0)
+        for model_id in sorted(wanted):
+            adapter = self.pool.adapters[model_id]
+            adapter.discard()
+            if model_id not in msg.restore:
+                adapter.take_from_first_replica(self.group)
+        return self._checksums(wanted)
+
+    def held_checksums(self, model_ids: Collection[str] | None = None) -> dict[str, float]:
+        """Checksums of the whole adapters this worker holds (none of a shard's), those of `model_ids` only if
+        given, for registering again: the coordinator may take them as the current state if no other holder
+        survived."""
+        held = {model_id: adapter.whole_checksum() for model_id, adapter in self.pool.adapters.items()
+                if model_ids is None or model_id in model_ids}
+        return {model_id: checksum for model_id, checksum in held.items() if checksum is not None}
+
+    def _checksums(self, model_ids: Iterable[str]) -> dict[str, float]:
+        """The held adapters' checksums under their keys: replicas of the same state must agree."""
+        held = [self.pool.adapters[mid] for mid in sorted(model_ids) if mid in self.pool.adapters]
+        return {adapter.checksum_key: adapter.state.checksum() for adapter in held}
+
+    # ------------------------------------------------------------------------------------ 5. samples
 
     def _sample_phase(self, cycle_id: int, items: list[m.WorkItem], report: Report) -> None:
         """All of this member's samples of one base model in one batch, rows of different adapters together."""
@@ -383,15 +336,31 @@ def _merge(parts: list[t.ForwardBackwardOutput]) -> t.ForwardBackwardOutput:
     return t.ForwardBackwardOutput(parts[0].loss_fn_output_type, outputs, metrics)
 
 
-def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any]) -> m.ItemDone | None:
-    """Run one op: its result or error for the client, or nothing; a failed collective aborts the cycle."""
+def _phases(items: list[m.WorkItem]) -> tuple[list[m.WorkItem], ...]:
+    """A cycle's items by phase: creates, forward work, closing ops, samples."""
+    creates = [i for i in items if isinstance(i.op, m.CreateModel)]
+    forwards = [i for i in items if isinstance(i.op, m.FORWARD_TYPES)]
+    samples = [i for i in items if isinstance(i.op, m.Sample)]
+    closing = [i for i in items if i not in creates and i not in forwards and i not in samples]
+    return creates, forwards, closing, samples
+
+
+def _discard(adapters: Iterable[Adapter]) -> None:
+    for adapter in adapters:
+        adapter.discard()
+
+
+def _attempt(cycle_id: int, item: m.WorkItem, fn: Callable[[], Any], report: Report) -> None:
+    """Run one op and report its result or error, if any; a failed collective aborts the cycle."""
     try:
         result = fn()
     except (CollectiveError, TensorParallelError):
         raise
     except Exception as exc:
-        return _failed(cycle_id, item, exc)
-    return None if result is None else m.ItemDone(cycle_id, item.request_id, result=result)
+        report(_failed(cycle_id, item, exc))
+        return
+    if result is not None:
+        report(m.ItemDone(cycle_id, item.request_id, result=result))
 
 
 def _progress(cycle_id: int, request_id: str, report: Report) -> Callable[[list[int], list[t.SampledSequence]], None]:

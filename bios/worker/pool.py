@@ -1,12 +1,12 @@
 """What a worker holds: one copy of each base model, shared by any number of LoRA adapters.
 
 Under tensor parallelism (`configure` with tp > 1) each base model is held as this worker's shard, loaded
-slice by slice so the whole model never has to fit, and adapters are shards of the whole adapter. Each base
-model is held as its memory plan says (activation checkpointing, tokens per pass).
+slice by slice so the whole model never has to fit, and adapters are shards of the whole adapter: the kind of
+each adapter (`adapter_kinds`) is read off its base model when it is made. Each base model is held as its
+memory plan says (activation checkpointing, tokens per pass).
 """
 
 from __future__ import annotations
-
 
 import logging
 import threading
@@ -17,35 +17,19 @@ import torch
 import torch.distributed as dist
 
 from bios import messages as m
-from bios import types as t
 from bios.exceptions import BadRequestError, NotFoundError
 from bios.models import LoadedModel, UnknownModelError, load_base_model, load_tokenizer, model_info
 from bios.models import resolve_model_dir
 
-from .adapter import AdapterState, validate_lora_config
-from .checkpoint import restore_adapter, sampler_adapter
+from .adapter_kinds import Adapter, adapter_kind
 from .lora import attach_lora
 from .memory_plan import enable_activation_checkpointing
 from .targets import target_groups
-from .sharded_adapter import (
-    create_sharded_adapter,
-    full_parameter_count,
-    restore_sharded_adapter,
-    shard_checkpoint,
-    shared_seed,
-)
-from .tensor_parallel import load_sharded_model, rebind_group, shard_info, TensorParallelError
+from .tensor_parallel import load_sharded_model, rebind_group, shard_info
+
+__all__ = ["Adapter", "ModelPool"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Adapter:
-    """A training run's adapter and the base model it sits on."""
-
-    state: AdapterState
-    base: LoadedModel
-    base_model: str
 
 
 @dataclass
@@ -102,7 +86,7 @@ class ModelPool:
                 started = time.monotonic()
                 plan = self.plans.get(name, m.ModelPlan(name))
                 try:
-                    loaded = self._load(name)
+                    loaded, held_as = self._load(name)
                 except UnknownModelError as exc:
                     raise BadRequestError(str(exc), field="base_model") from None
                 attach_lora(loaded.model)
@@ -113,58 +97,31 @@ class ModelPool:
                 self.bases[name] = loaded
                 self._layouts[name] = self._layout(name)
                 log.info("loaded base model %s (%d parameters%s) in %.1fs, plan %s", name,
-                         loaded.info.num_parameters, f", shard {self.tp_rank} of {self.tp}" if self.tp > 1 else "",
-                         time.monotonic() - started, plan)
+                         loaded.info.num_parameters, held_as, time.monotonic() - started, plan)
             return loaded
 
-    def _load(self, name: str) -> LoadedModel:
+    def _load(self, name: str) -> tuple[LoadedModel, str]:
+        """The base model as this worker holds it (whole, or its shard), and how, for the log."""
         if self.tp == 1:
-            return load_base_model(name, device=self.device)
+            return load_base_model(name, device=self.device), ""
         model, _ = load_sharded_model(resolve_model_dir(name), self.tp_rank, self.tp, self.tp_group,
                                       device=self.device)
-        return LoadedModel(model, load_tokenizer(name), model_info(name))
+        return LoadedModel(model, load_tokenizer(name), model_info(name)), f", shard {self.tp_rank} of {self.tp}"
 
     def create(self, op: m.CreateModel, *, model_id: str | None = None, seed: int | None = None) -> m.ModelCreated:
-        """A run's adapter. Sharded, every member of the generation must call this in the same order (the
-        adapter's seed is agreed on by broadcast) unless `seed` is given (a placeholder whose state is sent)."""
+        """A run's adapter, of the kind its base model takes (`adapter_kind`). Sharded, every member of the
+        generation must call this in the same order (the adapter's seed is agreed on by broadcast) unless `seed`
+        is given (a placeholder whose state is sent)."""
         model_id = model_id or op.target
         base = self.base(op.base_model)
-        info = shard_info(base.model)
-        if info is not None:
-            if op.state is not None:
-                state = restore_sharded_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
-                                                device=self.device, optimizer=op.optimizer)
-            else:
-                seed = self._shared_seed(op.lora) if seed is None else seed
-                state = create_sharded_adapter(model_id, base.model, op.lora, seed=seed, device=self.device)
-                state.optimizer = op.optimizer
-            count = full_parameter_count(state, info)
-        else:
-            validate_lora_config(base.model, op.lora)
-            if op.state is not None:
-                state = restore_adapter(model_id, base.model, op.state, with_optimizer=op.with_optimizer,
-                                        device=self.device, optimizer=op.optimizer)
-            else:
-                state = AdapterState.create(model_id, base.model, op.lora, device=self.device)
-                state.optimizer = op.optimizer
-            count = state.num_parameters()
-        self.adapters[model_id] = Adapter(state, base, op.base_model)
-        return m.ModelCreated(model_id, base.info, op.lora.rank, count, target_groups(base.model, op.lora))
-
-    @staticmethod
-    def _shared_seed(lora: t.LoraConfig) -> int:
-        try:
-            return shared_seed(lora)
-        except Exception as exc:
-            raise TensorParallelError(f"could not agree on an adapter seed: {exc}") from exc
+        adapter = adapter_kind(base).create(model_id, base, op.base_model, op, seed=seed, device=self.device)
+        self.adapters[model_id] = adapter
+        return m.ModelCreated(model_id, base.info, op.lora.rank, adapter.parameter_count(),
+                              target_groups(base.model, op.lora))
 
     def add_sampler(self, path: str, base_model: str, checkpoint: m.CheckpointState) -> None:
         base = self.base(base_model)
-        info = shard_info(base.model)
-        if info is not None:
-            checkpoint = shard_checkpoint(checkpoint, info)
-        self.samplers[path] = Adapter(sampler_adapter(path, base.model, checkpoint, device=self.device), base,
-                                      base_model)
+        self.samplers[path] = adapter_kind(base).sampler(path, base, base_model, checkpoint, device=self.device)
 
     def sampler(self, path: str) -> Adapter:
         adapter = self.samplers.get(path)

@@ -19,6 +19,10 @@ How a token is chosen and what its logprob means (penalties, temperature, min_p,
 reports the k most likely tokens at every sampled position under the model's own log-softmax of that step's
 logits (before penalties, temperature and filters: what a `forward` over prompt + output gives).
 
+This module runs the batch (prefill, decode loop, compaction); each sample's row (token choice, max tokens,
+stops, position, mask) is built by `bios.worker.sampling_rows`, and the output buffers become streamed progress
+and `SampleResponse`s in `bios.worker.sampling_results`.
+
 Randomness: each row draws one uniform per step from its own `torch.Generator`, seeded from (seed, sample
 index) and drawn up front, and picks a token by inverse CDF. A row's tokens therefore depend on its seed,
 prompt and parameters only, never on what else shares the batch.
@@ -26,9 +30,7 @@ prompt and parameters only, never on what else shares the batch.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -47,33 +49,27 @@ from bios.types import (
     SampleResponse,
     SamplingParams,
     TensorData,
-    TopkLogprobs,
 )
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
 from bios.worker.decode_step import decode_step
-from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
-from bios.worker.stopping import stop_token_ids, string_stop_hits
+from bios.worker.sampling_results import Progress, responses
+from bios.worker.sampling_rows import Rows, build_rows
+from bios.worker.stopping import string_stop_hits
 from bios.worker.vision import ImageReader, RowImages
 from bios.worker.vision_lora import tower_adapters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
-# chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
-DEFAULT_MAX_TOKENS = 256
 # A batch is compacted (finished rows dropped from the cache) once at most this fraction of it is alive.
 _COMPACT_WHEN_ALIVE = 0.75
 # A decode whose rows all use one adapter multiplies by copies of the weights with the adapter in them (`W +
 # scale·B·A` in fp32, `[W; A]` in bf16) if it runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7
 # s) costs 20-35 steps of what the adapter's own products cost (~20 ms a step for 16 rows).
 _ADAPTER_COPIES_MIN_STEPS = 32
-# A streaming request's progress goes out once this long has passed since the last (or this many tokens are new).
-_PROGRESS_EVERY_S = 0.05
-_PROGRESS_EVERY_TOKENS = 16
 
 
 @dataclass
@@ -95,48 +91,7 @@ class SampleItem:
     progress: Callable[[list[int], list[SampledSequence]], None] | None = None
 
 
-# ------------------------------------------------------------------------------------------ rows
-
-
-def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | None) -> int:
-    """`params.max_tokens`, or for None: `DEFAULT_MAX_TOKENS` capped by what the context leaves after the prompt."""
-    if params.max_tokens is not None:
-        return params.max_tokens
-    if context is None:
-        return DEFAULT_MAX_TOKENS
-    return min(DEFAULT_MAX_TOKENS, context - prompt_len)
-
-
-def row_seed(seed: int, sample_index: int) -> int:
-    """The generator seed of sample `sample_index` of a request with `seed`: a hash, so nearby seeds and
-    indices give unrelated streams."""
-    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & spec.MAX_SEED
-
-
-@dataclass
-class _Rows:
-    """Per-row decode state of the live batch, as tensors; `row` maps a batch position to its row in the output
-    buffers, and compaction indexes every field alike."""
-
-    row: Tensor  # [B] int64
-    choice: TokenChoice
-    max_new: Tensor  # [B] int64
-    position: Tensor  # [B] int64, position of the first sampled token (the prompt length)
-    stop_ids: Tensor  # [B, S] int64, -1 padded
-    attention_mask: Tensor  # [B, padded prompt + max steps] int64
-    adapters: list[AdapterState | None]
-
-    def select(self, keep: Tensor) -> _Rows:
-        return _Rows(
-            row=self.row[keep],
-            choice=self.choice.select(keep),
-            max_new=self.max_new[keep],
-            position=self.position[keep],
-            stop_ids=self.stop_ids[keep],
-            attention_mask=self.attention_mask[keep],
-            adapters=[self.adapters[i] for i in keep.tolist()],
-        )
+# ------------------------------------------------------------------------------------------ adapters
 
 
 def _adapter_segments(adapters: list[AdapterState | None]) -> list[tuple[int, int, AdapterState]]:
@@ -247,16 +202,16 @@ def _generate(
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
     expand = torch.repeat_interleave(torch.tensor(rows_of_requests, device=logits.device), counts)
     lengths = [len(item.prompt) for item in ordered]
-    rows, string_stops = _build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
+    rows, string_stops = build_rows(ordered, seeds, prompt_mask[expand], lengths, eos_token_id, context, logits)
     if rope_deltas is not None:  # M-RoPE: an image's tokens take fewer positions than their count
         rows.position += rope_deltas.to(rows.position.device)[expand]
     topk = max(item.topk_sample_logprobs for item in ordered)
-    progress = _Progress.of(ordered)
+    progress = Progress.of(ordered)
     with prepacked.using(adapter=_adapter_copies(rows), rows=len(rows.adapters)):
         tokens, logprobs, finished_at, stopped, top = _decode(
             model, cache, expand, logits[expand], rows, prompt_mask.shape[1], tokenizer, string_stops, topk, progress
         )
-    return _responses(
+    return responses(
         items, order, tokens, logprobs, finished_at, stopped, {order[i]: sc for i, sc in prompt_scores.items()}, top
     )
 
@@ -313,12 +268,12 @@ def _decode(
     cache: DynamicCache,
     expand: Tensor,
     logits: Tensor,
-    rows: _Rows,
+    rows: Rows,
     padded: int,
     tokenizer: PreTrainedTokenizerBase | None,
     string_stops: dict[int, list[str]],
     topk: int = 0,
-    progress: _Progress | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """The token loop: choose, record, check stops, drop finished rows now and then, run one step. `cache` holds
     the prefilled prompts, one row each; row i continues prompt `expand[i]`.
@@ -382,154 +337,14 @@ def _decode(
     return out_tokens, out_logprobs, finished_at, stopped, top
 
 
-class _Progress:
-    """The streaming requests of a decode (their output rows and callbacks) and what each row has been sent."""
-
-    def __init__(self, streams: list[tuple[int, int, int, Callable]]) -> None:
-        self.streams = streams  # (first row, rows, top-k, callback)
-        self.sent: dict[int, int] = {row: 0 for first, count, _, _ in streams for row in range(first, first + count)}
-        self.last, self.last_step = time.monotonic(), 0
-
-    @staticmethod
-    def of(ordered: list[SampleItem]) -> _Progress | None:
-        streams, row = [], 0
-        for item in ordered:
-            if item.progress is not None:
-                streams.append((row, item.num_samples, item.topk_sample_logprobs, item.progress))
-            row += item.num_samples
-        return _Progress(streams) if streams else None
-
-    def report(self, step: int, out_tokens: Tensor, out_logprobs: Tensor, finished_at: Tensor,
-               top: tuple[Tensor, Tensor] | None, *, force: bool = False) -> None:
-        """After step `step`: each streaming request's new tokens, if enough time passed or enough are new."""
-        now = time.monotonic()
-        if not force and now - self.last < _PROGRESS_EVERY_S and step + 1 - self.last_step < _PROGRESS_EVERY_TOKENS:
-            return
-        self.last, self.last_step = now, step + 1
-        rows = sorted(self.sent)
-        ends = torch.where(finished_at[rows] > 0, finished_at[rows], step + 1).tolist()
-        start = min(self.sent[r] for r in rows)
-        tokens = out_tokens[rows, start : step + 1].tolist()
-        logprobs = out_logprobs[rows, start : step + 1].tolist()
-        ids = values = None
-        if top is not None:
-            ids, values = top[0][rows, start : step + 1].cpu().numpy(), top[1][rows, start : step + 1].cpu().numpy()
-        new = {}
-        for i, (row, end) in enumerate(zip(rows, ends)):
-            a, b = self.sent[row] - start, end - start
-            new[row] = (self.sent[row], tokens[i][a:b], logprobs[i][a:b], i, a, b)
-            self.sent[row] = max(self.sent[row], end)
-        for first, count, k, callback in self.streams:
-            parts = [new[row] for row in range(first, first + count)]
-            if not any(part[1] for part in parts):
-                continue
-            callback([part[0] for part in parts], [
-                SampledSequence("length", toks, lps, topk_logprobs=TopkLogprobs(
-                    TensorData(ids[i, a:b, :k].copy(), "int64"), TensorData(values[i, a:b, :k].copy(), "float32"))
-                    if k and ids is not None else None)
-                for _, toks, lps, i, a, b in parts])
-
-
-def _has_pads(rows: _Rows) -> bool:
+def _has_pads(rows: Rows) -> bool:
     """Whether any live row's prompt is left padded: only then does a decode step need an attention mask (the
     module path's mask builder skips an all-ones mask the same way)."""
     return not bool(rows.attention_mask.all())
 
 
-def _adapter_copies(rows: _Rows) -> bool:
+def _adapter_copies(rows: Rows) -> bool:
     """Whether the decode may multiply by copies with an adapter in them (`_ADAPTER_COPIES_MIN_STEPS`)."""
     first = rows.adapters[0]
     return (first is not None and all(adapter is first for adapter in rows.adapters)
             and rows.choice.uniforms.shape[1] >= _ADAPTER_COPIES_MIN_STEPS)
-
-
-def _build_rows(
-    ordered: list[SampleItem],
-    seeds: list[int],
-    prompt_mask: Tensor,
-    lengths: list[int],
-    eos_token_id: int | None,
-    context: int,
-    logits: Tensor,
-) -> tuple[_Rows, dict[int, list[str]]]:
-    """Per-row tensors for the decode loop, and the stop strings of rows that have any (by row)."""
-    specs: list[RowSpec] = []
-    max_new, position, stop_ids, adapters = [], [], [], []
-    string_stops: dict[int, list[str]] = {}
-    for item, seed, length in zip(ordered, seeds, lengths):
-        params = item.params
-        new_tokens = resolved_max_tokens(length, params, context)
-        strings = spec.stop_strings(params.stop)
-        for sample_index in range(item.num_samples):
-            if strings:
-                string_stops[len(specs)] = strings
-            uniforms = torch.zeros(0)
-            if params.temperature != 0:
-                generator = torch.Generator().manual_seed(row_seed(seed, sample_index))
-                uniforms = torch.rand(new_tokens, generator=generator)
-            specs.append(RowSpec(params, uniforms, item.prompt))
-            max_new.append(new_tokens)
-            position.append(length)
-            stop_ids.append(stop_token_ids(params.stop, eos_token_id))
-            adapters.append(item.adapter)
-    device = logits.device
-    steps = max(max_new)
-    stop_table = torch.full((len(specs), max(len(ids) for ids in stop_ids)), -1, dtype=torch.int64)
-    for row, ids in enumerate(stop_ids):
-        stop_table[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    choice = token_choice(specs, steps, logits.shape[-1], device)
-    rows = _Rows(
-        row=torch.arange(len(specs), device=device),
-        choice=choice,
-        max_new=torch.tensor(max_new, dtype=torch.int64, device=device),
-        position=torch.tensor(position, dtype=torch.int64, device=device),
-        stop_ids=stop_table.to(device),
-        attention_mask=torch.cat([prompt_mask, torch.ones(len(specs), steps, dtype=torch.int64, device=device)], dim=1),
-        adapters=adapters,
-    )
-    return rows, string_stops
-
-
-def _responses(
-    items: list[SampleItem],
-    order: list[int],
-    out_tokens: Tensor,
-    out_logprobs: Tensor,
-    finished_at: Tensor,
-    stopped: Tensor,
-    prompt_scores: dict[int, PromptScores],
-    top: tuple[Tensor, Tensor] | None = None,
-) -> list[SampleResponse]:
-    """Rows back into one response per item, in the caller's item order."""
-    tokens, logprobs = out_tokens.tolist(), out_logprobs.tolist()
-    top_ids, top_logp = (top[0].cpu().numpy(), top[1].cpu().numpy()) if top is not None else (None, None)
-    lengths_list, stopped_list = finished_at.tolist(), stopped.tolist()
-    sequences: dict[int, list[SampledSequence]] = {}
-    row = 0
-    for index in order:
-        sequences[index] = []
-        k = items[index].topk_sample_logprobs
-        for _ in range(items[index].num_samples):
-            n = lengths_list[row]
-            sequences[index].append(
-                SampledSequence(
-                    stop_reason="stop" if stopped_list[row] else "length",
-                    tokens=tokens[row][:n],
-                    logprobs=logprobs[row][:n],
-                    topk_logprobs=TopkLogprobs(TensorData(top_ids[row, :n, :k].copy(), "int64"),
-                                               TensorData(top_logp[row, :n, :k].copy(), "float32"))
-                    if k and top_ids is not None else None,
-                )
-            )
-            row += 1
-    none = PromptScores()
-    return [
-        SampleResponse(
-            sequences=sequences[i],
-            prompt_logprobs=prompt_scores.get(i, none).logprobs,
-            topk_prompt_logprobs=prompt_scores.get(i, none).topk,
-            prompt_alt_tokens=prompt_scores.get(i, none).alt_tokens,
-            target_prompt_logprobs=prompt_scores.get(i, none).targets,
-        )
-        for i in range(len(items))
-    ]

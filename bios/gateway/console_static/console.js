@@ -306,8 +306,13 @@ function pick(runId, compare) {
 function clusterTables(status, runs) {
   const workers = status.workers.map(w => el("tr", {class: "worker", "data-worker": w.worker_id},
     el("td", {}, w.worker_id), el("td", {class: "state-" + w.state}, w.state), el("td", {}, w.device),
+    el("td", {class: "models"}, (w.models || []).join(", ") || "-"),
+    el("td", {class: "num memory"}, w.memory_bytes ? (w.memory_bytes / 2 ** 30).toFixed(1) + " GiB" : "-"),
     el("td", {}, w.host), el("td", {class: "num"}, w.pid), el("td", {class: "num"}, fmt.age(w.last_heartbeat_age_s)),
     el("td", {}, w.note)));
+  const groups = status.groups.map(g => el("tr", {class: "group", "data-group": g.group_id},
+    el("td", {}, g.models.join(", ")), el("td", {class: "num tp"}, g.tp), el("td", {class: "num replicas"}, g.replicas),
+    el("td", {}, g.formed.join(", ") || "none formed yet")));
   const dtypes = {};
   for (const r of runs) if (r.base_dtype) dtypes[r.base_model] = r.base_dtype;
   const pools = [...new Set([...Object.keys(status.plans), ...Object.keys(dtypes)])].map(model => el("tr", {},
@@ -319,7 +324,10 @@ function clusterTables(status, runs) {
   const busy = status.uptime_s ? (100 * status.busy_s / status.uptime_s).toFixed(0) : "0";
   return [
     el("h2", {}, `Workers (generation ${status.generation})`),
-    table(["worker", "state", "device", "host", "pid", "heartbeat", "note"], workers, {id: "workers"}),
+    table(["worker", "state", "device", "base models", "memory", "host", "pid", "heartbeat", "note"], workers,
+          {id: "workers"}),
+    el("h2", {}, "Groups"), table(["base models", "TP", "replicas", "running on"], groups, {id: "groups"}),
+    el("ul", {id: "placement-notes"}, status.placement_notes.map(note => el("li", {}, note))),
     el("h2", {}, "Base models"), table(["base model", "base dtype", "memory plan"], pools, {id: "pools"}),
     el("h2", {}, "Queue and cycles"),
     el("p", {id: "queue"}, `${status.queue_depth} request(s) queued; ${status.cycles_run} cycle(s) run, busy ${busy}% ` +

@@ -23,9 +23,9 @@ from bios.security.keys import KeyStore
 from bios.security.limits import Quotas
 from bios.security.listen import InsecureListenError, check_http
 
-from .config import CoordinatorConfig
-from .metrics import JsonLogFormatter, serve_metrics
-from .server import Coordinator
+from bios.coordinator.config import CoordinatorConfig
+from bios.coordinator.metrics import JsonLogFormatter, serve_metrics
+from bios.coordinator.server import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> None:
             from bios.gateway.server import start_gateway
 
             with _binding("--http", args.http):
-                gateway = await start_gateway(coordinator, args.http)
+                gateway = await start_gateway(coordinator.front_door, coordinator.accounts, args.http)
         if args.metrics:
             with _binding("--metrics", args.metrics):
                 metrics = await serve_metrics(coordinator.metrics, args.metrics, coordinator.refresh_metrics)

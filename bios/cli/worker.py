@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(args: argparse.Namespace) -> None:
     import torch
 
-    from .daemon import WorkerConfig, WorkerDaemon, default_device
+    from bios.worker.daemon import WorkerConfig, WorkerDaemon, default_device
 
     if args.model_map:
         os.environ["BIOS_MODEL_MAP"] = args.model_map  # bios.models reads names through this
@@ -68,7 +68,7 @@ def fork_per_gpu(argv: list[str], gpus: str) -> int:
               "run without --gpus to use the CPU", file=sys.stderr)
         return 2
     base = [a for i, a in enumerate(argv) if a != "--gpus" and (i == 0 or argv[i - 1] != "--gpus")]
-    children = [subprocess.Popen([sys.executable, "-m", "bios.worker.main", *base, "--device", f"cuda:{i}"])
+    children = [subprocess.Popen([sys.executable, "-m", "bios.cli.worker", *base, "--device", f"cuda:{i}"])
                 for i in range(wanted)]
 
     def forward(signum: int, frame: object) -> None:
