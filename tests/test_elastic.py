@@ -283,3 +283,18 @@ def test_a_worker_placed_in_another_group_drops_the_base_models_it_no_longer_hol
     assert list(pool.bases) == [BASE] and created.model_id in pool.adapters
     pool.configure(1, 0, [m.ModelPlan("some/other-model")])
     assert pool.bases == {} and pool.adapters == {}
+
+
+def test_a_new_plan_that_only_switches_activation_checkpointing_keeps_the_base_and_its_adapters():
+    """A group whose plans change (a model joins it, so each gets less room) may switch checkpointing: the base
+    model is not reloaded, so its adapters keep their state (once, they were dropped and the worker, the group's
+    only holder, answered with fresh ones)."""
+    pool = ModelPool(torch.device("cpu"))
+    pool.configure(1, 0, [m.ModelPlan(BASE, activation_checkpointing=False)])
+    created = pool.create(m.CreateModel("kept", 0, BASE, types.LoraConfig(rank=4, seed=1)))
+    adapter, base = pool.adapter(created.model_id), pool.bases[BASE]
+    layers = [layer for layer in base.model.modules() if hasattr(layer, "self_attn")]
+    for checkpointing in (True, False, True):
+        pool.configure(1, 0, [m.ModelPlan(BASE, activation_checkpointing=checkpointing)])
+        assert pool.bases[BASE] is base and pool.adapter(created.model_id) is adapter
+        assert all(getattr(layer, "_bios_checkpointed", False) == checkpointing for layer in layers)

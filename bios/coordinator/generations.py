@@ -186,6 +186,10 @@ class GenerationFormer:
         restore: dict[str, m.CheckpointState] = {}
         if adapters and source_tp is None:
             adapters, restore = self._restore_from_checkpoints(adapters)
+        elif newcomers := [spec for spec in adapters if self.layout.models and spec.base_model not in self.layout.models]:
+            # a base model that joins a formed group (its own group's workers are gone): no member holds its runs
+            kept, restore = self._restore_from_checkpoints(newcomers)
+            adapters = [spec for spec in adapters if spec not in newcomers] + kept
         master = ranked[0]
         forming = _Forming(generation, {mb.worker_id for mb in ranked})
         self.forming = forming

@@ -54,6 +54,15 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
         layer.forward = checkpointed
         layer._bios_checkpointed = True
+        layer._bios_plain_forward = plain_forward
+
+
+def disable_activation_checkpointing(model: nn.Module) -> None:
+    """Undo `enable_activation_checkpointing` (a new plan keeps activations): every layer runs plainly again."""
+    for module in model.modules():
+        if getattr(module, "_bios_checkpointed", False):
+            module.forward = module._bios_plain_forward
+            module._bios_checkpointed = False
 
 
 @functools.cache

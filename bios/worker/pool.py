@@ -23,7 +23,7 @@ from bios.models import resolve_model_dir
 
 from .adapter_kinds import Adapter, adapter_kind
 from .lora import attach_lora
-from .memory_plan import enable_activation_checkpointing
+from .memory_plan import disable_activation_checkpointing, enable_activation_checkpointing
 from .targets import target_groups
 from .tensor_parallel import load_sharded_model, rebind_group, shard_info
 
@@ -54,9 +54,10 @@ class ModelPool:
         for name in list(self.bases):
             if self.plans and name not in self.plans:
                 log.info("dropping base model %s: this worker's group holds other models now", name)
-            elif self._layouts[name] != self._layout(name):
+            elif self._layouts[name][:2] != self._layout(name)[:2]:
                 log.info("dropping base model %s: it is now held as %s", name, self._layout(name))
-            else:
+            else:  # the same shard: a new plan only switches activation checkpointing, and the adapters stay
+                self._checkpointing(name)
                 continue
             del self.bases[name]
             del self._layouts[name]
@@ -70,6 +71,14 @@ class ModelPool:
         for loaded in self.bases.values():
             if shard_info(loaded.model) is not None:
                 rebind_group(loaded.model, group)
+
+    def _checkpointing(self, name: str) -> None:
+        """Checkpoint `name`'s activations or not, as its plan says."""
+        layout = self._layout(name)
+        if self._layouts[name] != layout:
+            model = self.bases[name].model
+            (enable_activation_checkpointing if layout[2] else disable_activation_checkpointing)(model)
+            self._layouts[name] = layout
 
     def _layout(self, name: str) -> tuple[int, int, bool]:
         """What a base model is loaded for: its shard and whether its layers checkpoint activations. The pass
