@@ -9,12 +9,19 @@ Ids are deterministic so a client knows its request's id before sending it, and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bios.exceptions import BadRequestError
 
-if TYPE_CHECKING:
-    from bios.messages import Request
+
+class Addressed(Protocol):
+    """What a request id is built from (every `bios.messages.Request` has both)."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def seq(self) -> int: ...
 
 _KINDS = ("train", "sample")
 _AUTO = "auto-"
@@ -79,7 +86,7 @@ def request_id(target: str, seq: int) -> str:
     return str(RequestId(target, seq))
 
 
-def request_id_of(request: Request) -> str:
+def request_id_of(request: Addressed) -> str:
     """The id of a request a client submits: request `seq` of its `target` (a `CreateModel` is request 0 of the
     run it creates, a `Sample` a request of its sampling session)."""
     return request_id(request.target, request.seq)

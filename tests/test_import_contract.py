@@ -185,7 +185,8 @@ def test_the_scan_sees_every_kind_of_import() -> None:
     assert any(i.module == "torch" and not i.top_level for i in codec)  # inside a function
     assert any(i.module == "bios.sdk.futures" for i in _imports_of("bios.sdk"))  # relative, in a package
     assert any(i.module == "bios.transport.codec" for i in _imports_of("bios.transport.sockets"))  # relative
-    assert any(i.module == "bios.messages" and not i.top_level for i in _imports_of("bios.ids"))  # TYPE_CHECKING
+    retries = _imports_of("bios.coordinator.retries")
+    assert any(i.module == "bios.coordinator.runs" and not i.top_level for i in retries)  # TYPE_CHECKING
     assert any(i.module == "bios.sdk" for i in _imports_of("bios"))  # importlib.import_module("bios.sdk")
     assert Contract("probe", ("bios.transport",), HEAVY).violations()
 

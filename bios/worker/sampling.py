@@ -31,9 +31,7 @@ prompt and parameters only, never on what else shares the batch.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,10 +43,7 @@ from bios.exceptions import BadRequestError
 from bios.kernels.prepacked import PrepackedWeights
 from bios.types import (
     TOPK_MASK_LOGPROB,
-    SampledSequence,
     SampleResponse,
-    SamplingParams,
-    TensorData,
 )
 from bios.worker.adapter import AdapterState
 from bios.worker.attention import use_bios_attention
@@ -56,9 +51,9 @@ from bios.worker.decode_step import decode_step
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.prompt_scoring import PromptQuestions, PromptScores, score_prompt
 from bios.worker.sampling_results import Progress, responses
-from bios.worker.sampling_rows import Rows, build_rows
+from bios.worker.sampling_rows import Rows, SampleItem, build_rows
 from bios.worker.stopping import string_stop_hits
-from bios.worker.vision import ImageReader, RowImages
+from bios.worker.vision import ImageReader
 from bios.worker.vision_lora import tower_adapters
 
 if TYPE_CHECKING:
@@ -70,25 +65,6 @@ _COMPACT_WHEN_ALIVE = 0.75
 # scale·B·A` in fp32, `[W; A]` in bf16) if it runs at least this many steps: making them (SmolLM2, fp32: 0.4-0.7
 # s) costs 20-35 steps of what the adapter's own products cost (~20 ms a step for 16 rows).
 _ADAPTER_COPIES_MIN_STEPS = 32
-
-
-@dataclass
-class SampleItem:
-    """One sample request: `num_samples` continuations of `prompt` from the base model plus `adapter`."""
-
-    adapter: AdapterState | None  # None: the base model alone
-    prompt: list[int]  # with a vision-language model's image tokens in place of its images
-    num_samples: int
-    params: SamplingParams
-    prompt_logprobs: bool = False
-    images: RowImages | None = None  # the prompt's images, in order
-    topk_prompt_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
-    topk_sample_logprobs: int = 0  # > 0: the k most likely tokens at every sampled position (model logprobs)
-    target_prompt_logprobs: TensorData | None = None  # int64 [len(prompt) - 1, K] prompt ids to score (-1: none)
-    # streaming: called now and then during the decode with, per sample, the position its new tokens start at and
-    # a `SampledSequence` of them (with logprobs, and top-k when asked); the return value stays the whole result
-    progress: Callable[[list[int], list[SampledSequence]], None] | None = None
 
 
 # ------------------------------------------------------------------------------------------ adapters

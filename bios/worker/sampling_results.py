@@ -20,7 +20,7 @@ from bios.types import SampledSequence, SampleResponse, TensorData, TopkLogprobs
 from bios.worker.prompt_scoring import PromptScores
 
 if TYPE_CHECKING:
-    from bios.worker.sampling import SampleItem
+    from bios.worker.sampling_rows import SampleItem
 
 # A streaming request's progress goes out once this long has passed since the last (or this many tokens are new).
 _PROGRESS_EVERY_S = 0.05

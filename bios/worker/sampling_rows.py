@@ -1,4 +1,5 @@
-"""The rows of a sampling batch: one per sample, with what the decode loop needs of each as tensors.
+"""The rows of a sampling batch: one per sample, with what the decode loop needs of each as tensors, built from
+the batch's requests (`SampleItem`).
 
 `build_rows` turns a batch's requests into `Rows`: each sample's token-choice state (its parameters and the
 uniforms drawn up front from its own generator, `row_seed`), how many tokens it may sample
@@ -9,24 +10,42 @@ uniforms drawn up front from its own generator, `row_seed`), how many tokens it 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from bios import spec
-from bios.types import SamplingParams
+from bios.types import SampledSequence, SamplingParams, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.stopping import stop_token_ids
-
-if TYPE_CHECKING:
-    from bios.worker.sampling import SampleItem
+from bios.worker.vision import RowImages
 
 # max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
 # chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
 DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class SampleItem:
+    """One sample request: `num_samples` continuations of `prompt` from the base model plus `adapter`."""
+
+    adapter: AdapterState | None  # None: the base model alone
+    prompt: list[int]  # with a vision-language model's image tokens in place of its images
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool = False
+    images: RowImages | None = None  # the prompt's images, in order
+    topk_prompt_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    topk_sample_logprobs: int = 0  # > 0: the k most likely tokens at every sampled position (model logprobs)
+    target_prompt_logprobs: TensorData | None = None  # int64 [len(prompt) - 1, K] prompt ids to score (-1: none)
+    # streaming: called now and then during the decode with, per sample, the position its new tokens start at and
+    # a `SampledSequence` of them (with logprobs, and top-k when asked); the return value stays the whole result
+    progress: Callable[[list[int], list[SampledSequence]], None] | None = None
+
 
 
 def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | None) -> int:
