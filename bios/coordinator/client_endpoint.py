@@ -1,7 +1,7 @@
-"""The coordinator's endpoint for clients: one ROUTER socket for the native SDK, plus in-process front ends (the
-HTTP gateway, through the front door). It answers Hello (protocol, API key, session), checks that every later message comes from the
-connection that said it, and hands requests, session calls and queries to the front door; answers come back
-through `push`."""
+"""The coordinator's endpoint for clients: one ROUTER socket for the native SDK (in-process front ends, the HTTP
+gateway, attach to the front door). It answers Hello (protocol, API key, session), checks that every later
+message comes from the connection that said it, and hands requests, session calls and queries to the front door;
+answers come back through `push`."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ class CycleRunner:
         stalled = cycle.aborted and cycle.collective_failed and not cycle.worker_died
         why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
         self.scheduler.tell(Scheduler.update, CycleOutcome(
-            cycle.cycle_id, plan.layout.models if plan.layout else (), tuple(cycle.results.values()), cycle.aborted,
+            cycle.cycle_id, self.generations.layout.models, tuple(cycle.results.values()), cycle.aborted,
             cycle.worker_died, stalled, why, committed))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again (%s%s)", cycle.cycle_id,

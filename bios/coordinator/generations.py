@@ -96,7 +96,8 @@ class GenerationFormer:
         self._stale = True
         self.roster.changed(f"{self.group_id}: {why}")
 
-    def after_cycle(self, aborted: bool, ops: dict[str, m.Request], checksums: dict[str, dict[str, float]]) -> dict[str, float]:
+    def after_cycle(self, aborted: bool, ops: dict[str, m.Request],
+                    checksums: dict[str, dict[str, float]]) -> dict[str, float]:
         """Record the adapters' checksums after a cycle (rank 0's; an aborted cycle's adapters are unknown until
         the group is formed again); returns them, for the state dir."""
         if aborted:
@@ -183,13 +184,14 @@ class GenerationFormer:
         if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
             self._adopt_rejoined(members, adapters)
         ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, self.layout.tp)
+        # No member holds these: no holder survived, or their base model joins a group formed without it (its own
+        # group's workers are gone). They come from their checkpoints.
+        unheld = adapters if source_tp is None else [
+            spec for spec in adapters if self.layout.models and spec.base_model not in self.layout.models]
         restore: dict[str, m.CheckpointState] = {}
-        if adapters and source_tp is None:
-            adapters, restore = self._restore_from_checkpoints(adapters)
-        elif newcomers := [spec for spec in adapters if self.layout.models and spec.base_model not in self.layout.models]:
-            # a base model that joins a formed group (its own group's workers are gone): no member holds its runs
-            kept, restore = self._restore_from_checkpoints(newcomers)
-            adapters = [spec for spec in adapters if spec not in newcomers] + kept
+        if unheld:
+            kept, restore = self._restore_from_checkpoints(unheld)
+            adapters = [spec for spec in adapters if spec not in unheld] + kept
         master = ranked[0]
         forming = _Forming(generation, {mb.worker_id for mb in ranked})
         self.forming = forming

@@ -214,7 +214,7 @@ class Scheduler(Actor):
         return [why for run in self.runs.values() if (why := run.stalled(older_than_s)) is not None]
 
     def queue_depth(self) -> int:
-        return sum(len(run.queue) for run in self.runs.values()) + len(self.samples)
+        return sum(self.queue_depths().values())
 
     def plan_descriptions(self) -> dict[str, str]:
         """Base model -> its plan and estimate, for `bios status`."""

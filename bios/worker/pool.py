@@ -42,7 +42,7 @@ class ModelPool:
     tp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     plans: dict[str, m.ModelPlan] = field(default_factory=dict)
-    _layouts: dict[str, tuple[int, int, m.ModelPlan]] = field(default_factory=dict)  # how each base is held
+    _shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # each base's shard: (tp, tp_rank)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def configure(self, tp: int, tp_rank: int, plans: list[m.ModelPlan]) -> None:
@@ -54,13 +54,13 @@ class ModelPool:
         for name in list(self.bases):
             if self.plans and name not in self.plans:
                 log.info("dropping base model %s: this worker's group holds other models now", name)
-            elif self._layouts[name][:2] != self._layout(name)[:2]:
-                log.info("dropping base model %s: it is now held as %s", name, self._layout(name))
-            else:  # the same shard: a new plan only switches activation checkpointing, and the adapters stay
-                self._checkpointing(name)
+            elif self._shards[name] != (tp, tp_rank):
+                log.info("dropping base model %s: it is now held as shard %d of %d", name, tp_rank, tp)
+            else:  # the same shard: a new plan may switch activation checkpointing, in place; the adapters stay
+                self._checkpoint_as_planned(name)
                 continue
             del self.bases[name]
-            del self._layouts[name]
+            del self._shards[name]
             for table in (self.adapters, self.samplers):
                 for key in [key for key, adapter in table.items() if adapter.base_model == name]:
                     del table[key]
@@ -72,18 +72,11 @@ class ModelPool:
             if shard_info(loaded.model) is not None:
                 rebind_group(loaded.model, group)
 
-    def _checkpointing(self, name: str) -> None:
-        """Checkpoint `name`'s activations or not, as its plan says."""
-        layout = self._layout(name)
-        if self._layouts[name] != layout:
-            model = self.bases[name].model
-            (enable_activation_checkpointing if layout[2] else disable_activation_checkpointing)(model)
-            self._layouts[name] = layout
-
-    def _layout(self, name: str) -> tuple[int, int, bool]:
-        """What a base model is loaded for: its shard and whether its layers checkpoint activations. The pass
-        size is not part of it (`tokens_per_pass` is read at each pass), so shrinking passes keeps every adapter."""
-        return self.tp, self.tp_rank, self.plans.get(name, m.ModelPlan(name)).activation_checkpointing
+    def _checkpoint_as_planned(self, name: str) -> None:
+        """Checkpoint `name`'s activations or not, as its plan says (both switches are idempotent). Neither this
+        nor the pass size (`tokens_per_pass`, read at each pass) reloads the base, so every adapter stays."""
+        checkpointing = self.plans.get(name, m.ModelPlan(name)).activation_checkpointing
+        (enable_activation_checkpointing if checkpointing else disable_activation_checkpointing)(self.bases[name].model)
 
     def tokens_per_pass(self, name: str) -> int:
         return self.plans.get(name, m.ModelPlan(name)).tokens_per_pass
@@ -101,10 +94,9 @@ class ModelPool:
                 attach_lora(loaded.model)
                 weights = loaded.model.get_input_embeddings().weight
                 loaded.info = replace(loaded.info, base_dtype=str(weights.dtype).removeprefix("torch."))
-                if plan.activation_checkpointing:
-                    enable_activation_checkpointing(loaded.model)
                 self.bases[name] = loaded
-                self._layouts[name] = self._layout(name)
+                self._shards[name] = (self.tp, self.tp_rank)
+                self._checkpoint_as_planned(name)
                 log.info("loaded base model %s (%d parameters%s) in %.1fs, plan %s", name,
                          loaded.info.num_parameters, held_as, time.monotonic() - started, plan)
             return loaded
