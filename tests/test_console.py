@@ -89,7 +89,9 @@ def test_admin_sees_both_runs_and_the_active_worker(trained, tmp_path):
     group = re.search(r'<tr class="group".*?</tr>', dom).group(0)
     assert f"<td>{BASE}</td>" in group and '<td class="num tp">1</td>' in group
     assert f"<td>{worker.worker_id}</td>" in group
-    assert BASE in re.search(r'<table id="pools">.*?</table>', dom).group(0)
+    pools = re.search(r'<table id="pools">.*?</table>', dom).group(0)
+    assert BASE in pools and status.longest_rows[BASE] > 0  # the longest row a worker trains, as planned
+    assert f'<td class="num longest-row">{status.longest_rows[BASE]} tokens</td>' in pools
 
 
 def test_a_key_sees_only_its_runs(trained, tmp_path):

@@ -80,7 +80,7 @@ class PoolPlanner:
             device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
             allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
-            max_batch_tokens=MAX_TOKENS_PER_PASS,
+            max_batch_tokens=MAX_TOKENS_PER_PASS, max_replicas=len(workers),
         )
         budgets = self._budgets()
         group = self.placement.group_of_model(base_model)
@@ -217,6 +217,33 @@ class PoolPlanner:
             return self.notes.get(base_model)
         shown = dataclasses.replace(plan, replicas=group.replicas) if group is not None else plan
         return shown.describe() + (" (halved after a worker died)" if base_model in self.halved else "")
+
+    def longest_row(self, base_model: str, *, splits: bool = True) -> int | None:
+        """The longest row (tokens) `base_model`'s group trains: split over its replicas (`splits`: its loss
+        allows, `spec.splits_rows`; no tensor parallelism), else on one worker. None: not planned."""
+        plan, group = self.plans.get(base_model), self.placement.group_of_model(base_model)
+        if plan is None:
+            return None
+        return plan.longest_row(group.replicas if splits and group is not None and group.tp == 1 else 1)
+
+    def longest_rows(self) -> dict[str, int]:
+        return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
+
+    def check_rows(self, base_model: str, lengths: list[int], *, splits: bool = True) -> None:
+        """BadRequestError naming the first row longer than `base_model`'s group holds (`longest_row`): it
+        would run a worker out of memory mid-cycle."""
+        longest = self.longest_row(base_model, splits=splits)
+        over = next((i for i, n in enumerate(lengths) if longest is not None and n > longest), None)
+        if over is None:
+            return
+        group = self.placement.group_of_model(base_model)
+        replicas = group.replicas if group is not None and group.tp == 1 else 1
+        how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else
+               "on one worker (its loss needs the whole row on one worker)" if not splits else "on one worker")
+        raise BadRequestError(
+            f"data[{over}] has {lengths[over]} tokens, and {base_model} trains rows of at most {longest} tokens "
+            f"{how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing "
+            "included); shorten or split the row, or add workers or memory", field=f"data[{over}].model_input")
 
     def descriptions(self) -> dict[str, str]:
         return {name: self.describe(name) or "" for name in self.notes}

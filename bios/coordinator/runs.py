@@ -66,8 +66,9 @@ class Run:
     optimizer: t.OptimizerName = "adamw"  # chosen at creation
     lora_targets: list[t.LoraTargetGroup] | None = None  # what its adapter trains, as the worker created it
 
-    def describe(self, memory_plan: str | None) -> t.GetInfoResponse:
-        """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base."""
+    def describe(self, memory_plan: str | None, longest_row: int | None = None) -> t.GetInfoResponse:
+        """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base
+        (its plan, and the longest row they train)."""
         info = self.info
         return t.GetInfoResponse(
             model_id=self.model_id,
@@ -81,6 +82,7 @@ class Run:
             lora_seed=self.lora.seed,
             optimizer=self.optimizer,
             lora_targets=self.lora_targets,
+            longest_row=longest_row,
         )
 
     def enqueue(self, seq_id: int, item: Queued) -> None:

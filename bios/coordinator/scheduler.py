@@ -213,12 +213,13 @@ class Scheduler(Actor):
         """Why requests queued longer than `older_than_s` have not run: one line per run."""
         return [why for run in self.runs.values() if (why := run.stalled(older_than_s)) is not None]
 
-    def queue_depth(self) -> int:
-        return sum(self.queue_depths().values())
-
     def plan_descriptions(self) -> dict[str, str]:
         """Base model -> its plan and estimate, for `bios status`."""
         return self.planner.descriptions()
+
+    def longest_rows(self) -> dict[str, int]:
+        """Base model -> the longest row its group trains (`PoolPlanner.longest_row`), for status and the console."""
+        return self.planner.longest_rows()
 
     def queue_depths(self) -> dict[str, int]:
         """Waiting requests per base model (training queues and samples)."""
@@ -390,7 +391,7 @@ class Scheduler(Actor):
 
     def get_info(self, owner: str, body: m.GetInfo) -> t.GetInfoResponse:
         run = run_for(self.runs, body.model_id, owner)
-        return run.describe(self.planner.describe(run.base_model))
+        return run.describe(self.planner.describe(run.base_model), self.planner.longest_row(run.base_model))
 
     def get_sampler(self, owner: str, body: m.GetSamplingSession) -> m.SamplingSession:
         return self.samplers.get(owner, body)

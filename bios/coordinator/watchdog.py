@@ -72,7 +72,7 @@ class Watchdog:
             await asyncio.sleep(interval)
             for why in await self.scheduler.ask(Scheduler.stalled, self.stalled_after_s):
                 log.warning("no progress: %s", why)
-            waiting = await self.scheduler.ask(Scheduler.queue_depth)
+            waiting = sum((await self.scheduler.ask(Scheduler.queue_depths)).values())
             if waiting and not self.membership.alive():
                 why = NO_WORKER if self.membership.members else NO_WORKER_YET
                 log.warning("%d request(s) wait: %s", waiting, why)

@@ -43,6 +43,7 @@ from .training import (
     check_optimizer,
     loss_config,
     loss_spec,
+    splits_rows,
 )
 
 __all__ = [
@@ -54,5 +55,5 @@ __all__ = [
     # .training
     "CUSTOM_LOSS", "LORA_FLAGS", "LOSSES", "MAX_LORA_RANK", "OPTIMIZERS", "ConfigKey", "LossSpec", "check_adam",
     "check_datum", "check_dimuon", "check_forward", "check_lora", "check_optim_params", "check_optimizer",
-    "loss_config", "loss_spec",
+    "loss_config", "loss_spec", "splits_rows",
 ]

@@ -37,6 +37,9 @@ class LossSpec:
     required_inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
     config: Mapping[str, ConfigKey] = field(default_factory=dict)
+    # A sum of per-token terms: a row split over workers (context parallelism) adds its parts' losses. GSPO's
+    # sequence ratio needs the whole row.
+    per_token: bool = True
 
     @property
     def defaults(self) -> dict[str, float]:
@@ -59,10 +62,16 @@ LOSSES: dict[str, LossSpec] = {
         LossSpec("ppo", _RL, _CLIP, _clip(0.8, 1.2)),
         LossSpec("cispo", _RL, _CLIP, _clip(0.0, 4.0)),
         LossSpec("dro", _RL, ("sequence_ratio_mask",), {"beta": ConfigKey(0.1, 0.0)}),
-        LossSpec("gspo", (*_RL, "sequence_ratio_mask"), _CLIP, _clip(1 - 3e-4, 1 + 4e-4)),
+        LossSpec("gspo", (*_RL, "sequence_ratio_mask"), _CLIP, _clip(1 - 3e-4, 1 + 4e-4), per_token=False),
         LossSpec("stable_reinforce", _RL, ("sequence_ratio_mask",), {"kl_coeff": ConfigKey(0.01, 0.0)}),
     )
 }
+
+
+def splits_rows(loss_fn: str, custom_loss: object | None) -> bool:
+    """Whether a row longer than a pass may be split over workers for this loss (context parallelism): a
+    built-in loss that sums per-token terms, not a custom one (which sees whole rows)."""
+    return custom_loss is None and loss_fn in LOSSES and LOSSES[loss_fn].per_token
 
 
 # ------------------------------------------------------------------------------------------ losses

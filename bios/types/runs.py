@@ -62,6 +62,8 @@ class GetInfoResponse:
     optimizer: OptimizerName = "adamw"
     # What the adapter trains; None for a run restored from the coordinator's state dir (not stored there).
     lora_targets: list[LoraTargetGroup] | None = None
+    # The longest row (tokens) one forward_backward may hold on the current workers (None: not planned yet)
+    longest_row: int | None = None
 
 
 @dataclass(frozen=True)

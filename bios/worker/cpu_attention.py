@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from bios.kernels import interval_attention
+from bios.worker import context_parallel
 
 _EXTRAS = ("softcap", "s_aux", "position_bias", "sinks")
 
@@ -40,6 +41,12 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     -> [B, Q, Hq, Dv] (MLA's values are narrower than its queries and keys)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    share = context_parallel.current()
+    if share is not None:  # a row split over replicas: every earlier key of the whole row
+        if _has_extras(kwargs) or kwargs.get("sliding_window") is not None or dropout:
+            raise NotImplementedError("a row split over replicas takes plain causal attention: no sliding window, "
+                                      "soft-capping, sinks, position bias or dropout")
+        return share.attend(query, key, value, scaling), None
     if query.device.type != "cpu" or _has_extras(kwargs):
         return _stock(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     low_precision = query.dtype in (torch.bfloat16, torch.float16)
@@ -83,7 +90,7 @@ def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: 
     extras, a mask that is not one interval per query, rotary tables that train or of another shape): the caller
     goes the stock way."""
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout or qkv.stride(-1) != 1 \
-            or _has_extras(kwargs) or cos.requires_grad or sin.requires_grad:
+            or _has_extras(kwargs) or cos.requires_grad or sin.requires_grad or context_parallel.current():
         return None
     query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
     if not interval_attention.rope_tables_fit(qkv, query.shape[-1], cos, sin) \

@@ -8,11 +8,12 @@ all-reduces them if needed and calls `commit_gradients` (or `discard_gradients` 
 
 `check_item` is the worker's one wall for a forward item: the executor runs it on each request before batching
 it with other tenants' (a bad one fails alone), and `forward_backward` runs it itself unless told its items
-passed it. Past the wall nothing checks the request again: `_prepare_rows` only converts, the losses only compute.
+passed it. Past the wall nothing checks the request again: `prepare_rows` only converts, the losses only compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from bios.worker.custom_loss import CompiledLoss, check_custom_inputs
 from bios.worker.factor_copies import FactorCopy, factor_copies
 from bios.worker.losses import compute_loss, fixed_token_weights
 from bios.worker.lora import LoraLinear, active_adapters, attach_lora
+from bios.worker.memory_plan import checkpointed
 from bios.worker.packing import attention_pair_cost, pack_rows, packed_layout, packed_sequences
 from bios.worker.vision import ImageReader, RowImages
 from bios.worker.vision_lora import tower_adapters
@@ -111,7 +113,7 @@ def model_limits(model: nn.Module, info: BaseModelInfo | None = None, reader: Im
     return spec.Limits(name, vocab, sys.maxsize, None if reader is None else reader.vision)
 
 
-def _prepare_rows(items: list[ForwardItem], reader: ImageReader | None) -> list[_Row]:
+def prepare_rows(items: list[ForwardItem], reader: ImageReader | None) -> list[_Row]:
     """Every datum as tensors, its images expanded, before any compute; image positions get weight 0
     (`_POSITION_WEIGHTS`). The items passed `check_item`, so nothing here checks them again."""
     rows = []
@@ -213,15 +215,15 @@ def _segments(sizes: list[int], adapters: list[AdapterState | FactorCopy]
     return segments
 
 
-def _run_pass(
+def run_pass(
     model: nn.Module, rows: list[_Row], items: list[ForwardItem], *, backward: bool, reader: ImageReader | None,
-    packs: bool,
+    packs: bool, positions: Tensor | None = None,
 ) -> tuple[list[Tensor], list[float], list[dict[str, float]]]:
     """One forward pass over `rows` (and one backward of their summed loss if `backward`).
 
     Rows are packed end to end (`packing`) when `packs`, else right-padded: either way a token sees
     only its own row, so outputs do not depend on what else shares the batch. Only real positions go through
-    the head.
+    the head. `positions`: one row's tokens' positions in a longer row (a share of a split row).
     """
     embeddings = model.get_input_embeddings().weight
     device = embeddings.device
@@ -231,7 +233,7 @@ def _run_pass(
     targets = torch.cat([row.targets for row in rows]).to(device)
     with torch.set_grad_enabled(backward):
         hidden = (_packed_hidden(model, rows, adapters, device) if packs
-                  else _padded_hidden(model, rows, adapters, reader, device))
+                  else _padded_hidden(model, rows, adapters, reader, device, positions))
         token_weights = [items[row.item].fixed_token_weights(row.inputs) for row in rows]
         head_loss = backward and all(weights is not None for weights in token_weights)
         with active_adapters(model, _segments(lengths, adapters)):
@@ -269,7 +271,7 @@ def _packed_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterSta
 
 
 def _padded_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterState | FactorCopy],
-                   reader: ImageReader | None, device: torch.device) -> Tensor:
+                   reader: ImageReader | None, device: torch.device, positions: Tensor | None = None) -> Tensor:
     """Final hidden states `[sum of row lengths, H]` of `rows` right-padded to the longest: with a causal model
     real tokens never see the pads. The way for models that take images or cannot read packed positions."""
     lengths = [row.tokens.numel() for row in rows]
@@ -281,6 +283,7 @@ def _padded_hidden(model: nn.Module, rows: list[_Row], adapters: list[AdapterSta
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     extra = {} if reader is None else reader.model_kwargs(model, input_ids, attention_mask,
                                                           [row.images for row in rows])[0]
+    extra |= {} if positions is None else {"position_ids": positions[None].to(device)}
     with active_adapters(model, _segments([1] * len(rows), adapters)), \
             tower_adapters(model, [row.images for row in rows], [row.adapter for row in rows]):
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
@@ -311,7 +314,7 @@ def forward_backward(
             except BadRequestError as error:
                 raise ValueError(f"item {index} ({item.adapter.model_id}): {error.message}") from None
     attach_lora(model)
-    rows = _prepare_rows(items, images)
+    rows = prepare_rows(items, images)
     for item in items:
         if not item.forward_only and not item.adapter.grad_views_intact():
             raise RuntimeError(
@@ -324,8 +327,10 @@ def forward_backward(
     for backward in (True, False):
         selected = [row for row in rows if items[row.item].forward_only != backward]
         for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass, positions):
-            batch_logprobs, batch_losses, batch_metrics = _run_pass(model, batch, items, backward=backward,
-                                                                    reader=images, packs=packs)
+            alone = backward and batch[0].tokens.numel() > max_tokens_per_pass  # a row longer than the plan's pass
+            with checkpointed(model) if alone else contextlib.nullcontext():
+                batch_logprobs, batch_losses, batch_metrics = run_pass(model, batch, items, backward=backward,
+                                                                        reader=images, packs=packs)
             for row, row_logprobs, loss, row_metrics in zip(batch, batch_logprobs, batch_losses, batch_metrics):
                 logprobs[row.item][row.index] = row_logprobs
                 for key, value in {"loss:sum": loss, **row_metrics}.items():

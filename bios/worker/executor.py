@@ -20,22 +20,24 @@ shard holders of a replica run the same rows (`bios/worker/tensor_parallel.py`, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bios import spec
 from bios import messages as m
+from bios import spec
 from bios import types as t
 from bios.exceptions import BadRequestError, RemoteError
 from bios.kernels.prepacked import PrepackedWeights
 
-from . import engine
+from . import engine, split_rows
 from .adapter_kinds import Adapter
 from .checkpoint import export_state
 from .collectives import CollectiveError, CollectiveGroup
+from .context_parallel import SequenceShare
 from .custom_loss import CompiledLoss
 from .pool import ModelPool
 from .sampling import SampleItem, generate
@@ -138,7 +140,9 @@ class CycleExecutor:
             self.seconds["allreduce"] = time.perf_counter() - mark
             touched.update(training)
             for index, (item, adapter) in enumerate(batch):
-                output = _merge([p[index] for p in parts])
+                split = {datum: [p[1][index, datum] for p in parts] for i, datum in parts[0][1] if i == index}
+                output = split_rows.with_split_rows(_merge([p[0][index] for p in parts]), split,
+                                                    {d: item.op.data[d].model_input.length for d in split})
                 if not item.op.forward_only:
                     output.metrics["grad_norm:max"] = norms[adapter.state.model_id]
                 report(m.ItemDone(cycle_id, item.request_id, result=output))
@@ -160,32 +164,39 @@ class CycleExecutor:
             batches.setdefault(adapter.base_model, []).append((item, adapter))
         return batches
 
-    def _run_shard(self, batch: Batch) -> list[t.ForwardBackwardOutput] | RemoteError:
-        """This replica's shard of every item in one batched call: its outputs, or the error every member sees."""
-        items, slots = [], []
-        for item, adapter in batch:
+    def _run_shard(self, batch: Batch) -> tuple[list[t.ForwardBackwardOutput], dict] | RemoteError:
+        """This replica's shard of every item in one batched call, then its share of every row split over the
+        replicas (`split_rows`): its outputs and shares, or the error every member sees."""
+        items, slots, split = [], [], []
+        base = batch[0][1]
+        per_pass = self.pool.tokens_per_pass(base.base_model)
+        for index, (item, adapter) in enumerate(batch):
             op = item.op
-            start, end = shard_range([d.model_input.length for d in op.data], self.group.replicas,
-                                     self.group.replica)
+            custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
+            whole = engine.ForwardItem(adapter.state, op.data, op.loss_fn, op.loss_fn_config, op.forward_only, custom)
+            long = [d for d in range(len(op.data))
+                    if split_rows.splits(whole, d, per_pass, self.group.replicas, self.group.tp)]
+            split += [(index, whole, d) for d in long]
+            rest = [datum for d, datum in enumerate(op.data) if d not in long]
+            start, end = shard_range([d.model_input.length for d in rest], self.group.replicas, self.group.replica)
             slots.append(end > start)
             if end > start:
-                custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
-                items.append(engine.ForwardItem(adapter.state, op.data[start:end], op.loss_fn, op.loss_fn_config,
-                                                op.forward_only, custom))
-        base = batch[0][1]
+                items.append(dataclasses.replace(whole, data=rest[start:end]))
         try:
-            outputs = iter(engine.forward_backward(base.base.model, items, checked=True,
-                                                   max_tokens_per_pass=self.pool.tokens_per_pass(base.base_model),
+            outputs = iter(engine.forward_backward(base.base.model, items, checked=True, max_tokens_per_pass=per_pass,
                                                    images=image_reader(base.base.info, base.base.image_processor))
                            if items else ())
-        except TensorParallelError:
+            shares = {(index, d): split_rows.forward_backward_share(base.base.model, whole, d, SequenceShare(
+                whole.data[d].model_input.length, self.group.replicas, self.group.replica, self.group))
+                for index, whole, d in split}
+        except (TensorParallelError, CollectiveError):  # a split row's gather failed: the cycle aborts
             _discard(adapter for _, adapter in batch)
             raise
         except Exception as exc:
             log.exception("a batched forward of %d items failed", len(items))
             _discard(adapter for _, adapter in batch)
             return RemoteError.from_exception(exc)
-        return [next(outputs) if has_rows else _empty_output() for has_rows in slots]
+        return [next(outputs) if has_rows else _empty_output() for has_rows in slots], shares
 
     def _sum_and_commit(self, adapters: list[Adapter], training: list[str]) -> dict[str, float]:
         """Sum every member's gradient contributions, then commit them on every member or on none; returns each

@@ -5,7 +5,9 @@ The arithmetic (what a plan needs, which plan fits) is `bios.models.memory_plan`
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -63,6 +65,25 @@ def disable_activation_checkpointing(model: nn.Module) -> None:
         if getattr(module, "_bios_checkpointed", False):
             module.forward = module._bios_plain_forward
             module._bios_checkpointed = False
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module) -> Iterator[None]:
+    """Activation checkpointing for one pass, then as the plan says: a row longer than the plan's pass runs
+    alone, and the planner sized the longest row it accepts for such a pass (`bios.models.memory_plan.
+    longest_row`). A model already checkpointed, or one whose layers Bios cannot checkpoint, runs as it is."""
+    if any(getattr(module, "_bios_checkpointed", False) for module in model.modules()):
+        yield
+        return
+    try:
+        enable_activation_checkpointing(model)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        disable_activation_checkpointing(model)
 
 
 @functools.cache

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from bios.worker import context_parallel
+
 # The pass in progress: each batch position's sequence number within its batch row, or None (nothing packed).
 _SEQUENCES: ContextVar[Tensor | None] = ContextVar("bios_packed_sequences", default=None)
 
@@ -140,6 +142,8 @@ def packed_sdpa_mask(*args, mask_function=None, allow_is_causal_skip: bool = Tru
     from transformers.masking_utils import (and_masks, causal_mask_function, packed_sequence_mask_function,
                                             sdpa_mask)
 
+    if context_parallel.current() is not None:  # a split row's attention knows its keys: no mask to build
+        return None
     mask_function = causal_mask_function if mask_function is None else mask_function
     sequences = _SEQUENCES.get()
     if sequences is not None:

@@ -1,0 +1,146 @@
+"""Rows as long as the workers hold: the planner sizes the longest row a worker trains, admission refuses a
+longer one with its numbers, the worker checkpoints the pass of a row longer than its plan's pass, and a group of
+several workers splits such a row by sequence over them (context parallelism).
+
+The e2e tests run workers under a `--memory-limit` on tests/tp_model.py's narrow Llama with a 16k context. One
+worker: the longest row the plan allows trains, pass after pass, with the worker's measured peak RSS under its
+budget; a row one token longer is refused at acceptance, and the run goes on. Two and four workers: a row longer
+than one of them holds trains split over them, beside short rows, and equals one unconstrained worker.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_weights, random_llama, saved_adapter, wait_for_workers
+from test_unbalanced_cycles import random_datum
+from tp_model import LONG_SHAPE, write_long_model
+from transformers import LlamaConfig
+
+import bios
+from bios.exceptions import BadRequestError
+from bios.models.memory_plan import USABLE_FRACTION, MiB, ModelShape, choose_plan, estimate, longest_row
+from bios.types import Datum, LoraConfig, ModelInput
+from bios.worker.adapter import AdapterState
+from bios.worker.engine import ForwardItem, discard_gradients, forward_backward
+
+LIMIT = 900 * MiB  # the long model's plan passes 4096 tokens here, and its longest row is ~6.6k tokens
+FP32 = {"BIOS_BASE_DTYPE": "float32"}
+SPLIT_LIMIT = 700 * MiB  # one worker holds rows of 4096 tokens here, two ~6.1k split, four ~10k
+SPLIT_ROW = 6000  # tokens: more than one worker of SPLIT_LIMIT holds, less than two hold split
+PARAMS = bios.types.AdamParams(learning_rate=1e-3)
+
+
+def test_the_longest_row_fits_the_budget_with_checkpointing_and_one_token_more_does_not():
+    shape = ModelShape.from_config(LlamaConfig(vocab_size=256, **LONG_SHAPE))
+    plan = choose_plan(shape, LIMIT, lora_rank=8, batch_tokens=4096, workers=4, allow_bf16=False,
+                       max_batch_tokens=16384, overhead_bytes=360 * MiB)
+    one, two, four = plan.longest_row(1), plan.longest_row(2), plan.longest_row(4)
+    assert plan.batch_tokens < one < two < four <= shape.max_context_length  # more workers, longer rows
+    assert len(plan.longest_rows) == 4 and plan.longest_row(9) == four
+    sized = partial(estimate, shape, lora_rank=8, activation_checkpointing=True, overhead_bytes=360 * MiB)
+    assert longest_row(sized, LIMIT, plan.batch_tokens, None) == one
+    assert sized(batch_tokens=one).total <= USABLE_FRACTION * LIMIT
+    assert longest_row(sized, LIMIT, plan.batch_tokens, None, shape, replicas=2) == two
+    # Two workers split a row: each holds half its tokens' activations, and the whole row's attention tensors
+    assert sized(batch_tokens=two // 2 + 1).total < sized(batch_tokens=one).total
+    assert f"rows of <= {four} tokens" in plan.describe()  # the plan over its 4 replicas
+    # More memory, longer rows, up to the model's context and never below the plan's own pass
+    assert longest_row(sized, 4 * LIMIT, 4096, 16384) == 16384
+    assert longest_row(sized, LIMIT // 2, 4096, 16384) == 4096
+
+
+def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass():
+    model = random_llama(300)
+    adapter = AdapterState.create("run", model, LoraConfig(rank=4, seed=3), device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 300, (41,), generator=generator)
+    data = [Datum(ModelInput.from_ints(tokens[:-1].tolist()), {"target_tokens": tokens[1:],
+                                                               "weights": torch.ones(40)})]
+    plain = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")], max_tokens_per_pass=64)[0]
+    plain_grad = adapter.pending_grad.clone()
+    discard_gradients(adapter)
+    recomputed = []
+    for layer in model.model.layers:  # count the recomputations: a checkpointed layer's attention runs twice
+        layer.self_attn.register_forward_pre_hook(lambda *_: recomputed.append(1))
+    alone = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")], max_tokens_per_pass=16)[0]
+    assert len(recomputed) == 2 * len(model.model.layers)
+    assert alone.loss == pytest.approx(plain.loss, rel=1e-6)
+    torch.testing.assert_close(adapter.pending_grad, plain_grad, rtol=1e-5, atol=1e-7)
+    assert not any(getattr(m, "_bios_checkpointed", False) for m in model.modules())  # the plan's way again
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+@pytest.mark.e2e
+def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused_at_acceptance(tmp_path):
+    model = str(write_long_model(tmp_path / "long"))
+    with bios.LocalCluster(workers=1, worker_threads=2, worker_memory_limit=LIMIT, env=FP32) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        tc = svc.create_lora_training_client(model, rank=8, seed=1)
+        info = tc.get_info()
+        longest = info.longest_row
+        assert longest is not None and 4096 < longest < LONG_SHAPE["max_position_embeddings"], info.memory_plan
+        assert f"rows of <= {longest} tokens" in info.memory_plan
+        assert f"rows of <= {longest} tokens" in svc.cluster_status().plans[model]
+        with pytest.raises(BadRequestError) as refused:
+            tc.forward_backward([random_datum(100), random_datum(longest + 1)]).result(60)
+        message = str(refused.value)
+        assert f"data[1] has {longest + 1} tokens" in message and f"at most {longest} tokens on one worker" in message
+        for step in range(2):  # the heap grows over the first passes of a long row: its peak comes later
+            assert tc.forward_backward([random_datum(longest, seed=step)]).result(300).loss > 0
+        peak = _peak_rss(cluster.workers[0].pid)
+        assert peak < LIMIT, f"peak RSS {peak / MiB:.0f} MiB over the {LIMIT / MiB:.0f} MiB budget"
+        assert tc.optim_step(bios.types.AdamParams(learning_rate=1e-3)).result(60).metrics["step:max"] == 1
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> str:
+    return str(write_long_model(tmp_path_factory.mktemp("long-rows")))
+
+
+SPLIT_BATCH = [random_datum(300, seed=1), random_datum(SPLIT_ROW, seed=2), random_datum(500, seed=3)]
+
+
+def one_step(svc, model: str) -> tuple[float, list[np.ndarray], dict]:
+    tc = svc.create_lora_training_client(model, rank=8, seed=7)
+    output = tc.forward_backward(SPLIT_BATCH).result(600)
+    tc.optim_step(PARAMS).result(60)
+    return output.loss, [r["logprobs"].to_numpy() for r in output.loss_fn_outputs], saved_adapter(svc, tc)
+
+
+@pytest.fixture(scope="module")
+def unconstrained(long_model):
+    """The reference: one worker without a memory limit, the long row in one pass of its own."""
+    with bios.LocalCluster(workers=1, worker_threads=2, env=FP32) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        return one_step(svc, long_model)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_row_longer_than_one_worker_holds_trains_split_over_the_group_and_equals_one_worker(long_model,
+                                                                                             unconstrained, workers):
+    with bios.LocalCluster(workers=workers, worker_threads=1, worker_memory_limit=SPLIT_LIMIT, env=FP32) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
+        wait_for_workers(svc, workers)
+        loss, logprobs, weights = one_step(svc, long_model)
+        plan = svc.cluster_status().plans[long_model]
+        longest = svc.cluster_status().longest_rows[long_model]
+        peaks = [_peak_rss(worker.pid) for worker in cluster.workers]
+    one_worker = int(plan.split("tokens per pass")[0].rsplit("<= ", 1)[1])  # one worker's longest: its pass here
+    assert one_worker < SPLIT_ROW <= longest, plan  # a row no worker holds alone, which the group holds split
+    assert loss == pytest.approx(unconstrained[0], rel=1e-5)
+    for got, want in zip(logprobs, unconstrained[1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_same_weights(weights, unconstrained[2])
+    assert max(peaks) < SPLIT_LIMIT, f"peak RSS {[round(p / MiB) for p in peaks]} MiB over {SPLIT_LIMIT / MiB:.0f} MiB"
