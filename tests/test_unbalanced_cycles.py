@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 SEED = 41
 LONG_ROW = 8192  # tokens: ~7 s of forward and backward on one thread here, several heartbeat timeouts
 HEARTBEAT_TIMEOUT_S = 1.5
+DOOMED_ROW = 4096  # tokens: ~3 s of forward and backward on one thread here, several times a 0.5 s collective timeout
 PARAMS = types.AdamParams(learning_rate=1e-3)
 FP32 = {"BIOS_BASE_DTYPE": "float32"}  # equal to one worker to 1e-5 in fp32, on any CPU
 
@@ -73,7 +74,7 @@ def test_a_pass_several_heartbeat_timeouts_longer_on_one_worker_completes_and_eq
 
 
 def test_a_pass_longer_than_the_collective_timeout_fails_alone_and_says_why(long_model, caplog):
-    with bios.LocalCluster(workers=2, worker_threads=1, cycle_s=2.0, collective_timeout_s=1.0, env=FP32) as cluster, \
+    with bios.LocalCluster(workers=2, worker_threads=1, cycle_s=2.0, collective_timeout_s=0.5, env=FP32) as cluster, \
             bios.ServiceClient(address=cluster.address) as svc:
         wait_for_workers(svc, 2)
         long = svc.create_lora_training_client(str(long_model), rank=8, seed=SEED)
@@ -81,13 +82,13 @@ def test_a_pass_longer_than_the_collective_timeout_fails_alone_and_says_why(long
         batch = [text_datum("a short row beside a long one")]
         # Both in one cycle, most likely (the clock ticks every 2 s): the short one must not share the long one's
         # fate either way.
-        doomed, fine = long.forward_backward([random_datum(LONG_ROW)]), short.forward_backward(batch)
+        doomed, fine = long.forward_backward([random_datum(DOOMED_ROW)]), short.forward_backward(batch)
         assert fine.result(600).loss > 0
         with pytest.raises(BiosAPIError) as failed:
             doomed.result(600)
         message = str(failed.value)
         assert "two cycles that aborted with every worker alive, the second with no other request" in message
-        assert f"{LONG_ROW} tokens in 1 rows (the longest {LONG_ROW})" in message
+        assert f"{DOOMED_ROW} tokens in 1 rows (the longest {DOOMED_ROW})" in message
         assert "--collective-timeout" in message
         assert "runs again in a cycle of its own" in caplog.text  # the client was told after the first stall
         # Not a livelock: the cluster goes on, the long run included.
