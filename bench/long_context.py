@@ -2,7 +2,7 @@
 32k-token rows on 1, 2 and 4 workers, against an in-process PyTorch + PEFT loop with Hugging Face's gradient
 checkpointing on the same row, in the same run, rounds alternating.
 
-    python bench/long_context.py [--lengths 4096,16384,32768] [--workers 1,2,4] [--limit-gib 1.25] [--rounds 2]
+    python bench/long_context.py [--lengths 4096,16384,32768] [--workers 1,2,4] [--limit-gib 1.4] [--rounds 2]
 
 The model is a random Llama (4 layers of width 256, a 64k context) written here with the built-ins' byte-level
 tokenizer. A row longer than the planner's longest row is refused at acceptance (the message is printed); one row
@@ -72,6 +72,10 @@ def bios_side(model: Path, workers: int, limit: int, lengths: list[int]) -> dict
     out: dict = {"lengths": {}}
     with bios.LocalCluster(workers=workers, worker_threads=max(1, torch.get_num_threads() // workers),
                            worker_memory_limit=limit) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        deadline = time.monotonic() + 120
+        while sum(w.state in ("active", "idle") for w in svc.cluster_status().workers) < workers:
+            assert time.monotonic() < deadline, "workers did not come up"
+            time.sleep(0.2)
         tc = svc.create_lora_training_client(str(model), rank=RANK, seed=0)
         info = tc.get_info()
         out["longest_row"], out["plan"] = info.longest_row, info.memory_plan
@@ -117,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="4096,16384,32768")
     parser.add_argument("--workers", default="1,2,4")
-    parser.add_argument("--limit-gib", type=float, default=1.25)
+    parser.add_argument("--limit-gib", type=float, default=1.4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]

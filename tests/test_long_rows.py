@@ -26,6 +26,7 @@ from bios.exceptions import BadRequestError
 from bios.models.memory_plan import USABLE_FRACTION, MiB, ModelShape, choose_plan, estimate, longest_row
 from bios.types import Datum, LoraConfig, ModelInput
 from bios.worker.adapter import AdapterState
+from bios.worker.context_parallel import SequenceShare, share_chunks, share_positions
 from bios.worker.engine import ForwardItem, discard_gradients, forward_backward
 
 LIMIT = 900 * MiB  # the long model's plan passes 4096 tokens here, and its longest row is ~6.6k tokens
@@ -41,7 +42,7 @@ def test_the_longest_row_fits_the_budget_with_checkpointing_and_one_token_more_d
                        max_batch_tokens=16384, overhead_bytes=360 * MiB)
     one, two, four = plan.longest_row(1), plan.longest_row(2), plan.longest_row(4)
     assert plan.batch_tokens < one < two < four <= shape.max_context_length  # more workers, longer rows
-    assert len(plan.longest_rows) == 4 and plan.longest_row(9) == four
+    assert plan.longest_row(64) == plan.longest_row(32) >= four  # sized for groups of up to 32
     sized = partial(estimate, shape, lora_rank=8, activation_checkpointing=True, overhead_bytes=360 * MiB)
     assert longest_row(sized, LIMIT, plan.batch_tokens, None) == one
     assert sized(batch_tokens=one).total <= USABLE_FRACTION * LIMIT
@@ -72,6 +73,41 @@ def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass(
     assert alone.loss == pytest.approx(plain.loss, rel=1e-6)
     torch.testing.assert_close(adapter.pending_grad, plain_grad, rtol=1e-5, atol=1e-7)
     assert not any(getattr(m, "_bios_checkpointed", False) for m in model.modules())  # the plan's way again
+
+
+class _KnownRow:
+    """Replicas whose shares of the row's keys and values are known in full (one process plays every replica):
+    a forward pass only, since it cannot sum their gradients."""
+
+    def __init__(self, *tensors: torch.Tensor, world: int) -> None:
+        self.tensors, self.world = list(tensors), world
+
+    def all_gather_replicas_(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        whole = self.tensors.pop(0)
+        for rank, part in enumerate(parts):
+            mine = whole[:, :, share_positions(whole.shape[2], self.world, rank)]
+            part.zero_()[:, :, : mine.shape[2]] = mine
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_replicas_share_of_a_split_row_attends_as_the_whole_row_does(world):
+    length, generator = 37, torch.Generator().manual_seed(world)
+    query, key, value = (torch.randn(1, heads, length, 64, generator=generator) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), is_causal=True).transpose(1, 2)
+    for rank in range(world):
+        share = SequenceShare(length, world, rank, _KnownRow(key, value, world=world))
+        mine = share.positions
+        with torch.no_grad():
+            by_kernel = share.attend(query[:, :, mine], key[:, :, mine], value[:, :, mine], None)
+        torch.testing.assert_close(by_kernel, expected[:, mine], rtol=1e-5, atol=1e-5)
+        whole_keys, whole_values = key.clone(), value.clone()
+        by_chunks = share.attend_by_chunks(query[:, :, mine], whole_keys, whole_values, 64 ** -0.5)  # CUDA's way
+        torch.testing.assert_close(by_chunks, expected[:, mine], rtol=1e-5, atol=1e-5)
+    chunks = [share_chunks(length, world, rank) for rank in range(world)]
+    assert sorted(p for rank in range(world) for p in share_positions(length, world, rank).tolist()) == \
+        list(range(length))  # every position once
+    assert all(abs((a[1] - a[0] + b[1] - b[0]) - length / world) <= 2 for a, b in chunks)  # balanced
 
 
 def _peak_rss(pid: int) -> int:

@@ -80,7 +80,7 @@ class PoolPlanner:
             device_type="cuda" if workers[0].device.startswith("cuda") else "cpu",
             allow_bf16=False,  # bf16 changes results: the workers' hardware decides it (BIOS_BASE_DTYPE), not a plan
             model_name=base_model, overhead_bytes=max(overheads) if overheads else None,
-            max_batch_tokens=MAX_TOKENS_PER_PASS, max_replicas=len(workers),
+            max_batch_tokens=MAX_TOKENS_PER_PASS,
         )
         budgets = self._budgets()
         group = self.placement.group_of_model(base_model)

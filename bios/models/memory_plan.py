@@ -196,7 +196,7 @@ def choose_plan(
     overhead_bytes: int | None = None,
     max_batch_tokens: int | None = None,
     tp: int | None = None,
-    max_replicas: int | None = None,
+    max_replicas: int = 32,
 ) -> Plan:
     """The first plan that fits `budget_bytes` per worker, in order of preference (see the module docstring);
     only plans of tensor-parallel size `tp` if given (a group's adapters are cut that way already).
@@ -206,7 +206,7 @@ def choose_plan(
     H100, SmolLM2 steps of 8x1024 tokens run 2.1x slower in passes of 4096 tokens than in one pass, the GPU
     waiting on kernel launches).
 
-    The plan's longest rows are sized for 1 to `max_replicas` replicas (default: as many as `workers` make).
+    The plan's longest rows are sized for 1 to `max_replicas` replicas (groups grow after a plan is chosen).
 
     `allow_bf16=False` keeps the base in fp32 (results then match a single fp32 worker to rounding) and reaches
     for tensor parallelism instead. Raises `BadRequestError` when no plan fits.
@@ -239,7 +239,7 @@ def choose_plan(
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
                     alone = partial(longest_row, partial(sized, activation_checkpointing=True), budget_bytes,
                                     plan.batch_tokens, shape.max_context_length, shape)
-                    most = max_replicas or workers // tp if tp == 1 else 1
+                    most = max_replicas if tp == 1 else 1
                     return replace(plan, longest_rows=tuple(alone(replicas=r) for r in range(1, most + 1)))
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []

@@ -8,9 +8,11 @@ replica's gradient for them and keeps its own positions'. Built-in losses are su
 loss is its positions' share; the cycle's gradient sum over replicas then adds the shares, as it adds shards of
 a batch.
 
-Attention runs Bios's interval kernel over the whole row's length, this replica's queries at their positions
-and empty intervals elsewhere (nothing computed there): the same kernel, and the same arithmetic per query, as
-one worker running the whole row. Bios's attention (`bios.worker.attention`) asks `current()` at each call.
+On CPU, attention runs Bios's interval kernel over the whole row's length, this replica's queries at their
+positions and empty intervals elsewhere (nothing computed there): the same kernel, and the same arithmetic per
+query, as one worker running the whole row. Elsewhere (CUDA) each chunk's queries attend over the keys up to the
+chunk's end by SDPA with a lower-right causal bias. Bios's attention (`bios.worker.attention`) asks `current()`
+at each call.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ from torch import Tensor
 from bios.kernels import interval_attention
 
 
-def share_positions(length: int, world: int, rank: int) -> Tensor:
-    """The positions replica `rank` of `world` takes of a row of `length`: chunks rank and 2*world-1-rank of
-    2*world as equal as can be, ascending."""
+def share_chunks(length: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two chunks ([start, end) positions) replica `rank` of `world` takes of a row of `length`: chunks rank
+    and 2*world-1-rank of 2*world as equal as can be."""
     bounds = [length * i // (2 * world) for i in range(2 * world + 1)]
     late = 2 * world - 1 - rank
-    return torch.cat([torch.arange(bounds[rank], bounds[rank + 1]), torch.arange(bounds[late], bounds[late + 1])])
+    return (bounds[rank], bounds[rank + 1]), (bounds[late], bounds[late + 1])
+
+
+def share_positions(length: int, world: int, rank: int) -> Tensor:
+    """The positions of `share_chunks`, ascending."""
+    return torch.cat([torch.arange(start, end) for start, end in share_chunks(length, world, rank)])
 
 
 class Replicas(Protocol):
@@ -73,21 +80,38 @@ class SequenceShare:
     def attend(self, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
         """Causal attention of this replica's queries [1, Hq, n, D] (rotated) over the whole row's keys and
         values (this replica's [1, Hkv, n, D], gathered): [1, n, Hq, D], Transformers' layout."""
+        keys, values = (_GatherSequence.apply(part, self) for part in (key, value))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         positions = self.positions
-        keys, values = (_GatherSequence.apply(part.float(), self) for part in (key, value))
         queries = query.float().new_zeros(*query.shape[:2], self.length, query.shape[3])
+        if query.device.type != "cpu" or not interval_attention.suits(queries, keys, values):
+            return self.attend_by_chunks(query, keys, values, scale)
         queries = queries.index_copy(2, positions, query.float())
-        if not interval_attention.suits(queries, keys, values):
-            raise NotImplementedError(
-                f"a row split over replicas needs Bios's interval attention kernel (fp32 on CPU, head width "
-                f"{query.shape[-1]}, {query.shape[1]} query and {key.shape[1]} key heads, C kernels built): not "
-                "this model or device")
         lo = torch.zeros(1, self.length, dtype=torch.int32)
         hi = torch.full((1, self.length), -1, dtype=torch.int32)
         hi[0, positions] = positions.to(torch.int32)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        output = interval_attention.interval_attention(queries, keys, values, lo, hi, scale)
+        output = interval_attention.interval_attention(queries, keys.float(), values.float(), lo, hi, scale)
         return output[:, positions].to(query.dtype)
+
+    def attend_by_chunks(self, query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+        """`attend` where the interval kernel does not run (CUDA, other head widths): each of the two chunks'
+        queries over the keys up to the chunk's end, causal from the bottom right (SDPA with a lower-right causal
+        bias, which CUDA's memory-efficient kernel runs without a mask)."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        outputs, start = [], 0
+        for first, end in share_chunks(self.length, self.world, self.rank):
+            count = end - first
+            if not count:
+                continue
+            chunk = query[:, :, start:start + count]
+            start += count
+            ahead = [part[:, :, :end].to(query.dtype) for part in (keys, values)]
+            if ahead[0].shape[1] != query.shape[1]:  # grouped queries: each key head serves several
+                ahead = [part.repeat_interleave(query.shape[1] // part.shape[1], dim=1) for part in ahead]
+            outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                chunk, *ahead, attn_mask=causal_lower_right(count, end), scale=scale))
+        return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
 class _GatherSequence(torch.autograd.Function):
