@@ -44,15 +44,15 @@ def test_the_longest_row_fits_the_budget_with_checkpointing_and_one_token_more_d
     assert plan.batch_tokens < one < two < four <= shape.max_context_length  # more workers, longer rows
     assert plan.longest_row(64) == plan.longest_row(32) >= four  # sized for groups of up to 32
     sized = partial(estimate, shape, lora_rank=8, activation_checkpointing=True, overhead_bytes=360 * MiB)
-    assert longest_row(sized, LIMIT, plan.batch_tokens, None) == one
+    assert longest_row(sized, USABLE_FRACTION * LIMIT, plan.batch_tokens, None) == one
     assert sized(batch_tokens=one).total <= USABLE_FRACTION * LIMIT
-    assert longest_row(sized, LIMIT, plan.batch_tokens, None, shape, replicas=2) == two
+    assert longest_row(sized, USABLE_FRACTION * LIMIT, plan.batch_tokens, None, shape, replicas=2) == two
     # Two workers split a row: each holds half its tokens' activations, and the whole row's attention tensors
     assert sized(batch_tokens=two // 2 + 1).total < sized(batch_tokens=one).total
     assert f"rows of <= {four} tokens" in plan.describe()  # the plan over its 4 replicas
     # More memory, longer rows, up to the model's context and never below the plan's own pass
-    assert longest_row(sized, 4 * LIMIT, 4096, 16384) == 16384
-    assert longest_row(sized, LIMIT // 2, 4096, 16384) == 4096
+    assert longest_row(sized, USABLE_FRACTION * 4 * LIMIT, 4096, 16384) == 16384
+    assert longest_row(sized, USABLE_FRACTION * LIMIT / 2, 4096, 16384) == 4096
 
 
 def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass():
@@ -132,6 +132,15 @@ def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused
             tc.forward_backward([random_datum(100), random_datum(longest + 1)]).result(60)
         message = str(refused.value)
         assert f"data[1] has {longest + 1} tokens" in message and f"at most {longest} tokens on one worker" in message
+        # A sample's key/value cache is sized too: a long prompt runs, prefilled a pass at a time; too many
+        # samples of it are refused at acceptance with the cache they need
+        sampler = svc.create_sampling_client(base_model=model)
+        prompt = bios.types.ModelInput.from_ints(random_datum(longest).model_input.to_ints())
+        params = bios.types.SamplingParams(max_tokens=2, temperature=0.0)
+        assert len(sampler.sample(prompt, 1, params).result(300).sequences[0].tokens) == 2
+        with pytest.raises(BadRequestError) as refused:
+            sampler.sample(prompt, 64, params).result(60)
+        assert f"64 sample(s) of a {longest}-token prompt and 2 new tokens need" in str(refused.value)
         for step in range(2):  # the heap grows over the first passes of a long row: its peak comes later
             assert tc.forward_backward([random_datum(longest, seed=step)]).result(300).loss > 0
         peak = _peak_rss(cluster.workers[0].pid)

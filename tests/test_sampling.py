@@ -96,6 +96,23 @@ def test_greedy_equals_hf_generate_for_the_base_model(model, tokenizer):
     assert len({tuple(r.sequences[0].tokens) for r in results}) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("prefill_tokens", [16, 7, 1])
+def test_prompts_prefilled_in_chunks_sample_as_in_one_pass(model, tokenizer, prefill_tokens):
+    """A prompt longer than the plan's pass is prefilled a chunk of positions at a time into the cache: the same
+    prompt logprobs and the same continuations as one pass, left pads and an adapter included."""
+    adapter = perturbed_adapter(model, "chunks", seed=4)
+    prompts = [list(b"A long prompt, prefilled in chunks of positions."), list(b"and a short one")]
+    items = [SampleItem(adapter, prompt, 2, SamplingParams(max_tokens=10, seed=3, stop=[]), True) for prompt in prompts]
+    whole = generate(model, tokenizer, items, eos_token_id=EOS)
+    chunked = generate(model, tokenizer, items, eos_token_id=EOS, prefill_tokens=prefill_tokens)
+    for one, by_chunks in zip(whole, chunked, strict=True):
+        assert one.prompt_logprobs[0] is None and by_chunks.prompt_logprobs[0] is None
+        # fp32 in another order (a chunk's queries attend by SDPA, a whole prompt's by the interval kernel)
+        torch.testing.assert_close(torch.tensor(by_chunks.prompt_logprobs[1:]), torch.tensor(one.prompt_logprobs[1:]),
+                                   rtol=1e-4, atol=1e-4)
+        assert [s.tokens for s in by_chunks.sequences] == [s.tokens for s in one.sequences]
+
+
 def test_temperature_one_logprobs_equal_training_forward(model, tokenizer):
     adapter = perturbed_adapter(model, "a", seed=1)
     prompt = PROMPTS[1]

@@ -140,12 +140,15 @@ class Admission:
         self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=True)
         try:
             op = dataclasses.replace(op, prompt=_read_images(op.prompt, "prompt"))
-            spec.check_sample(op.prompt, op.num_samples, op.sampling_params,
-                              self._limits(sampler.base_model, infos),
+            limits = self._limits(sampler.base_model, infos)
+            spec.check_sample(op.prompt, op.num_samples, op.sampling_params, limits,
                               topk_prompt_logprobs=op.topk_prompt_logprobs,
                               prompt_alt_tokens_k=op.prompt_alt_tokens_k,
                               topk_sample_logprobs=op.topk_sample_logprobs,
                               target_prompt_logprobs=op.target_prompt_logprobs)
+            new_tokens = spec.resolved_max_tokens(op.prompt.length, op.sampling_params,
+                                                  limits.max_context_length if limits is not None else None)
+            self.planner.check_sample(sampler.base_model, op.prompt.length, new_tokens, op.num_samples)
             max_tokens = op.sampling_params.max_tokens or 1
             self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
         except BiosAPIError as exc:

@@ -245,6 +245,20 @@ class PoolPlanner:
             f"{how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing "
             "included); shorten or split the row, or add workers or memory", field=f"data[{over}].model_input")
 
+    def check_sample(self, base_model: str, prompt_tokens: int, new_tokens: int, samples: int) -> None:
+        """BadRequestError when `samples` continuations of a prompt would not fit a worker's key/value cache
+        (`Plan.longest_sample`): they would run it out of memory mid-decode."""
+        plan = self.plans.get(base_model)
+        longest = plan.longest_sample(samples) if plan is not None else None
+        if longest is None or prompt_tokens + new_tokens <= longest:
+            return
+        raise BadRequestError(
+            f"{samples} sample(s) of a {prompt_tokens}-token prompt and {new_tokens} new tokens need "
+            f"{(prompt_tokens + new_tokens) * samples * plan.kv_bytes_per_token / 2**30:.2f} GiB of key/value cache; "
+            f"{base_model}'s workers ({plan.budget_bytes / 2**30:.2f} GiB each) hold {samples} sample(s) of at most "
+            f"{longest} tokens in all: shorten the prompt or max_tokens, or ask for fewer samples",
+            field="sampling_params.max_tokens")
+
     def descriptions(self) -> dict[str, str]:
         return {name: self.describe(name) or "" for name in self.notes}
 

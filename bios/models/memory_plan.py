@@ -31,15 +31,15 @@ Pure arithmetic on plain data (no torch, no Transformers), so the coordinator pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from bios.exceptions import BadRequestError
+from bios.models.long_rows import kv_cache_bytes, longest_row
 from bios.models.model_shape import ModelShape, model_shape
 
-__all__ = ["MemoryEstimate", "ModelShape", "Plan", "choose_plan", "estimate", "model_shape"]
+__all__ = ["MemoryEstimate", "ModelShape", "Plan", "choose_plan", "estimate", "longest_row", "model_shape"]
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -58,11 +58,6 @@ _ACTIVATION_FRAGMENTATION = 1.25
 # Under activation checkpointing each layer's kept input pins ~4x its own size of heap (the holes its
 # discarded activations leave around it): fitted on 6 and 30 checkpointed layers.
 _CHECKPOINT_FRAGMENTATION = 4
-# Long lone rows, one pass after another, fragment glibc's heap: a 7.9k-token row of a 4-layer Llama
-# (checkpointed, fp32) peaked at 809 MiB RSS in its first pass and settled at 893 MiB after four, 1.4x its
-# estimated activations over the runtime (with MALLOC_MMAP_THRESHOLD_ fixed at 1 MiB: 594 MiB). The longest
-# row is sized with this margin.
-_LONE_ROW_FRAGMENTATION = 1.5
 # The stock (BIOS_KERNELS=0) output head materialises [tokens, vocab] fp32 logits; at its backward peak the
 # logits, logsumexp's exp temporary, the gather's scattered gradient and their sum coexist (measured 3.4-4.1).
 _STOCK_LOGITS_COPIES = 4
@@ -118,6 +113,16 @@ class Plan:
     # The longest row a worker trains under this plan, over 1, 2, ... replicas: a row longer than `batch_tokens`
     # runs alone in a checkpointed pass, or split over the replicas (`longest_row`); () where unbounded (tests).
     longest_rows: tuple[int, ...] = ()
+    kv_bytes_per_token: int = 0  # a decode's key/value cache per row and position (`kv_cache_bytes`); 0: unknown
+    decode_bytes: int = 0  # what a decode holds besides its cache: base, adapters, runtime, a prefill pass
+
+    def longest_sample(self, rows: int) -> int | None:
+        """The most positions (prompt and new tokens) `rows` decode rows may hold: the budget less
+        `decode_bytes`, over their key/value cache. None: unknown."""
+        if not self.kv_bytes_per_token:
+            return None
+        room = USABLE_FRACTION * self.budget_bytes - self.decode_bytes
+        return max(0, int(room // (rows * self.kv_bytes_per_token)))
 
     def longest_row(self, replicas: int = 1) -> int | None:
         """The longest row over `replicas` replicas of this plan (None: unbounded)."""
@@ -237,10 +242,13 @@ def choose_plan(
                         if wider.total > USABLE_FRACTION * budget_bytes:
                             break
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
-                    alone = partial(longest_row, partial(sized, activation_checkpointing=True), budget_bytes,
-                                    plan.batch_tokens, shape.max_context_length, shape)
+                    alone = partial(longest_row, partial(sized, activation_checkpointing=True),
+                                    USABLE_FRACTION * budget_bytes, plan.batch_tokens, shape.max_context_length, shape)
                     most = max_replicas if tp == 1 else 1
-                    return replace(plan, longest_rows=tuple(alone(replicas=r) for r in range(1, most + 1)))
+                    # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
+                    prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
+                    return replace(plan, longest_rows=tuple(alone(replicas=r) for r in range(1, most + 1)),
+                                   kv_bytes_per_token=kv_cache_bytes(shape, 1, 1, tp), decode_bytes=prefill.total)
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []
     techniques += ["bf16 weights"] if dtype == "bfloat16" else []
@@ -255,42 +263,6 @@ def choose_plan(
         "model, rank or batch",
         field="base_model",
     )
-
-
-def longest_row(sized: Callable[..., MemoryEstimate], budget_bytes: int, fits: int, context: int | None,
-                shape: ModelShape | None = None, replicas: int = 1) -> int:
-    """The longest row a worker's budget holds (`fits`, the plan's pass, at least; the model's `context`, else
-    2^24, at most): run alone in a pass with activation checkpointing (`sized(batch_tokens=n)`, the plan's
-    estimate so checkpointed), or, over `replicas` > 1 (`shape` given), split by sequence over them: each
-    replica's share of the tokens, and the whole row's attention tensors (`_split_attention_bytes`).
-
-    Estimates grow with a pass's tokens, so this doubles, then bisects. A row's pass counts as many tokens as a
-    batch's: Bios's attention keeps O(length) per row (no [length, length] scores), so a pass's memory goes with
-    its tokens, not with how they are cut into rows."""
-    ceiling = context or 1 << 24
-    usable = USABLE_FRACTION * budget_bytes
-
-    def holds(tokens: int) -> bool:
-        found = sized(batch_tokens=-(-tokens // replicas))
-        split = _split_attention_bytes(shape, tokens) if shape is not None and replicas > 1 else 0
-        row = found.activations + found.logits + split
-        return found.total + split + (_LONE_ROW_FRAGMENTATION - 1) * row <= usable
-
-    low, high = min(fits, ceiling), None
-    while high is None and low < ceiling:
-        trial = min(low * 2, ceiling)
-        low, high = (trial, None) if holds(trial) else (low, trial)
-    while high is not None and high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if holds(middle) else (low, middle)
-    return low
-
-
-def _split_attention_bytes(shape: ModelShape, tokens: int) -> int:
-    """What a row split over replicas adds on each (`bios.worker.context_parallel`): the layer in backward holds
-    the whole row's queries (its own at their positions), gathered keys and values, and attention output, fp32,
-    and as much again for their gradients."""
-    return 2 * (2 * shape.q_size + 2 * shape.kv_size) * tokens * _FP32
 
 
 def _gib(size: int) -> str:

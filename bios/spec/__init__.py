@@ -17,6 +17,7 @@ and `sampling` (sampling requests).
 
 from .inputs import MAX_SEED, Limits, ModelLimits, check_model_input, check_seed
 from .sampling import (
+    DEFAULT_MAX_TOKENS,
     MAX_ADDITIVE_PENALTY,
     MAX_PROMPT_TOPK,
     MAX_SAMPLE_TOPK,
@@ -24,6 +25,7 @@ from .sampling import (
     MAX_TARGET_PROMPT_IDS,
     check_sample,
     check_target_prompt_logprobs,
+    resolved_max_tokens,
     stop_strings,
 )
 from .training import (
@@ -50,8 +52,8 @@ __all__ = [
     # .inputs
     "MAX_SEED", "Limits", "ModelLimits", "check_model_input", "check_seed",
     # .sampling
-    "MAX_ADDITIVE_PENALTY", "MAX_PROMPT_TOPK", "MAX_SAMPLE_TOPK", "MAX_SAMPLES_PER_REQUEST", "MAX_TARGET_PROMPT_IDS",
-    "check_sample", "check_target_prompt_logprobs", "stop_strings",
+    "DEFAULT_MAX_TOKENS", "MAX_ADDITIVE_PENALTY", "MAX_PROMPT_TOPK", "MAX_SAMPLE_TOPK", "MAX_SAMPLES_PER_REQUEST",
+    "MAX_TARGET_PROMPT_IDS", "check_sample", "check_target_prompt_logprobs", "resolved_max_tokens", "stop_strings",
     # .training
     "CUSTOM_LOSS", "LORA_FLAGS", "LOSSES", "MAX_LORA_RANK", "OPTIMIZERS", "ConfigKey", "LossSpec", "check_adam",
     "check_datum", "check_dimuon", "check_forward", "check_lora", "check_optim_params", "check_optimizer",

@@ -12,6 +12,20 @@ from bios.exceptions import BadRequestError
 
 from .inputs import ModelLimits, check_model_input, check_seed, check_tokens, is_int, is_number
 
+# max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
+# chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
+DEFAULT_MAX_TOKENS = 256
+
+
+def resolved_max_tokens(prompt_len: int, params: t.SamplingParams, context: int | None) -> int:
+    """`params.max_tokens`, or for None: `DEFAULT_MAX_TOKENS` capped by what the context leaves after the prompt."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    if context is None:
+        return DEFAULT_MAX_TOKENS
+    return min(DEFAULT_MAX_TOKENS, context - prompt_len)
+
+
 MAX_SAMPLES_PER_REQUEST = 128
 MAX_PROMPT_TOPK = 1024  # topk_prompt_logprobs / prompt_alt_tokens_k: a (prompt, k) table each
 MAX_SAMPLE_TOPK = 64  # topk_sample_logprobs: a (samples, max_tokens, k) table (vLLM's default cap is 20)

@@ -316,7 +316,7 @@ class CycleExecutor:
                 responses = generate(base.model, base.tokenizer, [s for _, s in group],
                                      eos_token_id=base.info.eos_token_id,
                                      images=image_reader(base.info, base.image_processor),
-                                     prepacked=self.prepacked)
+                                     prepacked=self.prepacked, prefill_tokens=self.pool.tokens_per_pass(base_model))
             except TensorParallelError:
                 raise
             except Exception as exc:

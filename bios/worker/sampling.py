@@ -101,10 +101,12 @@ def generate(
     eos_token_id: int | None,
     images: ImageReader | None = None,
     prepacked: PrepackedWeights | None = None,
+    prefill_tokens: int | None = None,
 ) -> list[SampleResponse]:
     """Sample every item (all rows in one batch); one `SampleResponse` per item, in order. A vision-language
     model's prompts with images need its `images` reader. Decode steps multiply by `prepacked`'s copies of the
-    frozen weights (kept for the next call; default: copies made for this call only).
+    frozen weights (kept for the next call; default: copies made for this call only). Prompts longer than
+    `prefill_tokens` (the plan's pass; None: no bound) are prefilled in chunks of that many tokens in all.
 
     Raises `BadRequestError` (before any compute) if an item cannot run on this model. `tokenizer` is only
     used to decode text for stop strings.
@@ -132,7 +134,7 @@ def generate(
     use_bios_attention(model)
     with torch.inference_mode():
         return _generate(model, tokenizer, items, eos_token_id=eos_token_id, context=context, reader=images,
-                         prepacked=prepacked or PrepackedWeights())
+                         prepacked=prepacked or PrepackedWeights(), prefill_tokens=prefill_tokens)
 
 
 def _shared_prompts(ordered: list[SampleItem]) -> tuple[list[int], list[int]]:
@@ -167,13 +169,14 @@ def _generate(
     context: int,
     reader: ImageReader | None,
     prepacked: PrepackedWeights,
+    prefill_tokens: int | None,
 ) -> list[SampleResponse]:
     order = _grouped_order(items)
     ordered = [items[i] for i in order]
     seeds = [item.params.seed if item.params.seed is not None else secrets.randbits(63) for item in ordered]
     prefilled, rows_of_requests = _shared_prompts(ordered)
     cache, logits, prompt_mask, prompt_scores, rope_deltas = _prefill(model, ordered, prefilled, rows_of_requests,
-                                                                      seeds, reader)
+                                                                      seeds, reader, prefill_tokens)
     # One row per sample; the samples of every request with one prompt share its prefilled cache.
     counts = torch.tensor([item.num_samples for item in ordered], device=logits.device)
     expand = torch.repeat_interleave(torch.tensor(rows_of_requests, device=logits.device), counts)
@@ -194,10 +197,12 @@ def _generate(
 
 def _prefill(
     model: nn.Module, requests: list[SampleItem], prefilled: list[int], rows: list[int], seeds: list[int],
-    reader: ImageReader | None,
+    reader: ImageReader | None, prefill_tokens: int | None = None,
 ) -> tuple[DynamicCache, Tensor, Tensor, dict[int, PromptScores], Tensor | None]:
     """Run the prompts of the requests `prefilled` (indices into `requests`) once each, left padded so every
-    row's last position is real; request i reads row `rows[i]`.
+    row's last position is real; request i reads row `rows[i]`. Text prompts of more than `prefill_tokens` in
+    all go through in chunks of positions, each attending to the cache of those before: a long prompt's pass
+    holds one chunk's activations, not the whole prompt's.
 
     Returns the cache, the next-token logits, the prompt attention mask and, for a vision-language model, the
     rope deltas (its next position minus its prompt length), each with one row per prefilled prompt, and the
@@ -219,15 +224,17 @@ def _prefill(
         extra, rope_deltas = reader.model_kwargs(model, input_ids, prompt_mask, [item.images for item in ordered])
     cache = DynamicCache(config=model.config)
     adapters = [item.adapter for item in ordered]
+    chunked = reader is None and prefill_tokens is not None and len(ordered) * padded > prefill_tokens
+    step = max(1, prefill_tokens // len(ordered)) if chunked else padded
     with _sampling_adapters(model, adapters), \
             tower_adapters(model, [item.images for item in ordered], adapters):
-        hidden = model.base_model(
-            input_ids=input_ids,
-            attention_mask=prompt_mask,
+        hidden = torch.cat([model.base_model(
+            input_ids=input_ids[:, start:start + step],
+            attention_mask=prompt_mask[:, :start + step],
             past_key_values=cache,
             use_cache=True,
-            **extra,
-        ).last_hidden_state
+            **({key: value[:, start:start + step] for key, value in extra.items()} if chunked else extra),
+        ).last_hidden_state for start in range(0, padded, step)], dim=1)
         logits = model.get_output_embeddings()(hidden[:, -1]).float()
     scores = {}
     for i, (item, seed) in enumerate(zip(requests, seeds)):

@@ -17,16 +17,12 @@ import torch
 from torch import Tensor
 
 from bios import spec
+from bios.spec import DEFAULT_MAX_TOKENS, resolved_max_tokens  # noqa: F401  (DEFAULT_MAX_TOKENS: tests)
 from bios.types import SampledSequence, SamplingParams, TensorData
 from bios.worker.adapter import AdapterState
 from bios.worker.logits_processing import RowSpec, TokenChoice, token_choice
 from bios.worker.stopping import stop_token_ids
 from bios.worker.vision import RowImages
-
-# max_tokens=None samples up to this many tokens (fewer if the context ends first): long enough for a
-# chat answer, short enough that a forgotten max_tokens does not occupy a worker for a whole context.
-DEFAULT_MAX_TOKENS = 256
-
 
 @dataclass
 class SampleItem:
@@ -45,16 +41,6 @@ class SampleItem:
     # streaming: called now and then during the decode with, per sample, the position its new tokens start at and
     # a `SampledSequence` of them (with logprobs, and top-k when asked); the return value stays the whole result
     progress: Callable[[list[int], list[SampledSequence]], None] | None = None
-
-
-
-def resolved_max_tokens(prompt_len: int, params: SamplingParams, context: int | None) -> int:
-    """`params.max_tokens`, or for None: `DEFAULT_MAX_TOKENS` capped by what the context leaves after the prompt."""
-    if params.max_tokens is not None:
-        return params.max_tokens
-    if context is None:
-        return DEFAULT_MAX_TOKENS
-    return min(DEFAULT_MAX_TOKENS, context - prompt_len)
 
 
 def row_seed(seed: int, sample_index: int) -> int:
