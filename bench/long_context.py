@@ -55,7 +55,8 @@ def write_model(directory: Path) -> Path:
 
 def row(length: int, salt: int = 0) -> types.Datum:
     tokens = torch.randint(1, 250, (length + 1,), generator=torch.Generator().manual_seed(salt)).tolist()
-    return types.Datum(types.ModelInput.from_ints(tokens[:-1]), {"target_tokens": tokens[1:], "weights": [1.0] * length})
+    return types.Datum(types.ModelInput.from_ints(tokens[:-1]),
+                       {"target_tokens": tokens[1:], "weights": [1.0] * length})
 
 
 def peak_rss(pid: int) -> int:

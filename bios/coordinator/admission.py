@@ -223,8 +223,8 @@ class Admission:
                     for i, datum in enumerate(op.data)]
             spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos),
                                op.custom_loss)
-            self.planner.check_rows(run.base_model, [datum.model_input.length for datum in data],
-                                    splits=spec.splits_rows(op.loss_fn, op.custom_loss))
+            self.planner.check_rows(run.base_model, [(datum.model_input.length, spec.splits_rows(
+                op.loss_fn, op.custom_loss, datum.model_input)) for datum in data])
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
             return dataclasses.replace(op, data=data)
         elif isinstance(op, m.OptimStep):

@@ -229,21 +229,21 @@ class PoolPlanner:
     def longest_rows(self) -> dict[str, int]:
         return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
 
-    def check_rows(self, base_model: str, lengths: list[int], *, splits: bool = True) -> None:
-        """BadRequestError naming the first row longer than `base_model`'s group holds (`longest_row`): it
-        would run a worker out of memory mid-cycle."""
-        longest = self.longest_row(base_model, splits=splits)
-        over = next((i for i, n in enumerate(lengths) if longest is not None and n > longest), None)
-        if over is None:
-            return
-        group = self.placement.group_of_model(base_model)
-        replicas = group.replicas if group is not None and group.tp == 1 else 1
-        how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else
-               "on one worker (its loss needs the whole row on one worker)" if not splits else "on one worker")
-        raise BadRequestError(
-            f"data[{over}] has {lengths[over]} tokens, and {base_model} trains rows of at most {longest} tokens "
-            f"{how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing "
-            "included); shorten or split the row, or add workers or memory", field=f"data[{over}].model_input")
+    def check_rows(self, base_model: str, rows: list[tuple[int, bool]]) -> None:
+        """BadRequestError naming the first row longer than `base_model`'s group holds (`longest_row`; `rows`:
+        each one's length and whether it may split, `spec.splits_rows`): it would run a worker out of memory."""
+        for index, (length, splits) in enumerate(rows):
+            longest = self.longest_row(base_model, splits=splits)
+            if longest is None or length <= longest:
+                continue
+            group = self.placement.group_of_model(base_model)
+            replicas = group.replicas if group is not None and group.tp == 1 else 1
+            how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else "on one worker" if splits
+                   else "on one worker (its loss or its images need the whole row on one worker)")
+            raise BadRequestError(
+                f"data[{index}] has {length} tokens, and {base_model} trains rows of at most {longest} tokens {how} "
+                f"({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing included); "
+                "shorten or split the row, or add workers or memory", field=f"data[{index}].model_input")
 
     def check_sample(self, base_model: str, prompt_tokens: int, new_tokens: int, samples: int) -> None:
         """BadRequestError when `samples` continuations of a prompt would not fit a worker's key/value cache

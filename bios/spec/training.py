@@ -68,10 +68,11 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
-def splits_rows(loss_fn: str, custom_loss: object | None) -> bool:
-    """Whether a row longer than a pass may be split over workers for this loss (context parallelism): a
-    built-in loss that sums per-token terms, not a custom one (which sees whole rows)."""
-    return custom_loss is None and loss_fn in LOSSES and LOSSES[loss_fn].per_token
+def splits_rows(loss_fn: str, custom_loss: object | None, model_input: t.ModelInput) -> bool:
+    """Whether a row longer than a pass may be split over workers (context parallelism): a built-in loss that
+    sums per-token terms, not a custom one (which sees whole rows), and no images (a tower sees whole images)."""
+    return (custom_loss is None and loss_fn in LOSSES and LOSSES[loss_fn].per_token
+            and not model_input.has_images)
 
 
 # ------------------------------------------------------------------------------------------ losses

@@ -41,6 +41,7 @@ from .context_parallel import SequenceShare
 from .custom_loss import CompiledLoss
 from .pool import ModelPool
 from .sampling import SampleItem, generate
+from .split_rows import Share
 from .tensor_parallel import TensorParallelError
 from .vision import image_reader
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[m.ItemDone | m.SampleProgress], None]
 Batch = list[tuple[m.WorkItem, Adapter]]  # one base model's forward items, with their adapters
+Shares = dict[tuple[int, int], Share]  # (item index, datum index) -> this replica's share of a split row
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class CycleExecutor:
             batches.setdefault(adapter.base_model, []).append((item, adapter))
         return batches
 
-    def _run_shard(self, batch: Batch) -> tuple[list[t.ForwardBackwardOutput], dict] | RemoteError:
+    def _run_shard(self, batch: Batch) -> tuple[list[t.ForwardBackwardOutput], Shares] | RemoteError:
         """This replica's shard of every item in one batched call, then its share of every row split over the
         replicas (`split_rows`): its outputs and shares, or the error every member sees."""
         items, slots, split = [], [], []
@@ -175,7 +177,7 @@ class CycleExecutor:
             custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
             whole = engine.ForwardItem(adapter.state, op.data, op.loss_fn, op.loss_fn_config, op.forward_only, custom)
             long = [d for d in range(len(op.data))
-                    if split_rows.splits(whole, d, per_pass, self.group.replicas, self.group.tp)]
+                    if split_rows.splits(base.base.model, whole, d, per_pass, self.group.replicas, self.group.tp)]
             split += [(index, whole, d) for d in long]
             rest = [datum for d, datum in enumerate(op.data) if d not in long]
             start, end = shard_range([d.model_input.length for d in rest], self.group.replicas, self.group.replica)

@@ -2,9 +2,10 @@
 them: which rows split, each replica's share of one, and the whole row's output put together from the shares.
 
 A row splits when it is longer than its base model's pass (`tokens_per_pass`), the group has several replicas
-and no tensor parallelism, and its loss is a sum over tokens (`spec.LossSpec.per_token`). The planner sizes the
-longest row it accepts the same way (`bios.models.memory_plan.longest_rows`). Every member walks the split rows
-in the same order, since each layer of each row gathers from all of them.
+and no tensor parallelism, the model runs Bios's attention, and the request allows (`spec.splits_rows`: a loss
+that sums per-token terms, no images). The planner sizes the longest row it accepts the same way
+(`bios.models.long_rows.longest_row`). Every member walks the split rows in the same order, since each layer of
+each row gathers from all of them. A long row that does not split runs alone on one worker, checkpointed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 
 from bios import spec
 from bios import types as t
-from bios.exceptions import BadRequestError
 
 from . import engine
 from .attention import use_bios_attention
@@ -27,10 +27,12 @@ from .memory_plan import checkpointed
 Share = tuple[torch.Tensor, float, dict[str, float]]  # a replica's log-probs at its positions, loss, metrics
 
 
-def splits(item: engine.ForwardItem, index: int, tokens_per_pass: int, replicas: int, tp: int) -> bool:
+def splits(model: torch.nn.Module, item: engine.ForwardItem, index: int, tokens_per_pass: int, replicas: int,
+           tp: int) -> bool:
     """Whether datum `index` of `item` runs split over the replicas (see the module docstring)."""
-    return (replicas > 1 and tp == 1 and item.data[index].model_input.length > tokens_per_pass
-            and spec.splits_rows(item.loss_fn, item.custom_loss))
+    datum = item.data[index].model_input
+    return (replicas > 1 and tp == 1 and datum.length > tokens_per_pass and use_bios_attention(model)
+            and spec.splits_rows(item.loss_fn, item.custom_loss, datum))
 
 
 def forward_backward_share(model: torch.nn.Module, item: engine.ForwardItem, index: int,
@@ -38,12 +40,6 @@ def forward_backward_share(model: torch.nn.Module, item: engine.ForwardItem, ind
     """This replica's share of datum `index` of `item`: the log-probs at its positions (`share.positions`), its
     part of the loss and of the metrics; gradients into the adapter's pending_grad unless forward-only. The
     pass is checkpointed, as a long row's pass alone on one worker is."""
-    if not use_bios_attention(model):
-        raise NotImplementedError(f"{type(model).__name__} does not run Bios's attention: its rows longer than "
-                                  "a pass cannot be split over workers")
-    if item.data[index].model_input.has_images:
-        raise BadRequestError(f"data[{index}] has images: rows with images are not split over workers; keep it "
-                              "within one pass", field=f"data[{index}].model_input")
     one = dataclasses.replace(item, data=[item.data[index]])
     [row] = engine.prepare_rows([one], None)
     positions, length = share.positions, row.tokens.numel()
