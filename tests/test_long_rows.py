@@ -146,7 +146,7 @@ def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused
         # samples of it are refused at acceptance with the cache they need
         sampler = svc.create_sampling_client(base_model=model)
         prompt = bios.types.ModelInput.from_ints(random_datum(longest).model_input.to_ints())
-        params = bios.types.SamplingParams(max_tokens=2, temperature=0.0)
+        params = bios.types.SamplingParams(max_tokens=2, temperature=0.0, stop=[])  # stop=[]: not even at EOS
         assert len(sampler.sample(prompt, 1, params).result(300).sequences[0].tokens) == 2
         with pytest.raises(BadRequestError) as refused:
             sampler.sample(prompt, 64, params).result(60)
