@@ -5,14 +5,25 @@ key/value cache. `bios.models.memory_plan.choose_plan` sizes each plan's limits 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bios.models.model_shape import ModelShape
 
-if TYPE_CHECKING:
-    from bios.models.memory_plan import MemoryEstimate
-
 FP32 = 4
+
+
+class PassEstimate(Protocol):
+    """What `longest_row` reads of a pass's estimate (`bios.models.memory_plan.MemoryEstimate`)."""
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def activations(self) -> int: ...
+
+    @property
+    def logits(self) -> int: ...
+
 # Long lone rows, one pass after another, fragment glibc's heap: a 7.9k-token row of a 4-layer Llama
 # (checkpointed, fp32) peaked at 809 MiB RSS in its first pass and settled at 893 MiB after four, 1.4x its
 # estimated activations over the runtime (with MALLOC_MMAP_THRESHOLD_ fixed at 1 MiB: 594 MiB). The longest
@@ -20,7 +31,7 @@ FP32 = 4
 LONE_ROW_FRAGMENTATION = 1.5
 
 
-def longest_row(sized: Callable[..., MemoryEstimate], usable_bytes: float, fits: int, context: int | None,
+def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: int, context: int | None,
                 shape: ModelShape | None = None, replicas: int = 1) -> int:
     """The longest row `usable_bytes` of a worker hold (`fits`, the plan's pass, at least; the model's `context`,
     else 2^24, at most): run alone in a pass with activation checkpointing (`sized(batch_tokens=n)`, the plan's
