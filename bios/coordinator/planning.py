@@ -221,10 +221,14 @@ class PoolPlanner:
     def longest_row(self, base_model: str, *, splits: bool = True) -> int | None:
         """The longest row (tokens) `base_model`'s group trains: split over its replicas (`splits`: its loss
         allows, `spec.splits_rows`; no tensor parallelism), else on one worker. None: not planned."""
-        plan, group = self.plans.get(base_model), self.placement.group_of_model(base_model)
-        if plan is None:
-            return None
-        return plan.longest_row(group.replicas if splits and group is not None and group.tp == 1 else 1)
+        plan = self.plans.get(base_model)
+        return plan.longest_row(self._split_over(base_model) if splits else 1) if plan is not None else None
+
+    def _split_over(self, base_model: str) -> int:
+        """How many workers a long row of `base_model` is split over: its group's replicas, without tensor
+        parallelism (else one)."""
+        group = self.placement.group_of_model(base_model)
+        return group.replicas if group is not None and group.tp == 1 else 1
 
     def longest_rows(self) -> dict[str, int]:
         return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
@@ -236,8 +240,7 @@ class PoolPlanner:
             longest = self.longest_row(base_model, splits=splits)
             if longest is None or length <= longest:
                 continue
-            group = self.placement.group_of_model(base_model)
-            replicas = group.replicas if group is not None and group.tp == 1 else 1
+            replicas = self._split_over(base_model)
             how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else "on one worker" if splits
                    else "on one worker (its loss or its images need the whole row on one worker)")
             raise BadRequestError(

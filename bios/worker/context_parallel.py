@@ -82,9 +82,11 @@ class SequenceShare:
         values (this replica's [1, Hkv, n, D], gathered): [1, n, Hq, D], Transformers' layout."""
         keys, values = (_GatherSequence.apply(part, self) for part in (key, value))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if query.device.type != "cpu":
+            return self.attend_by_chunks(query, keys, values, scale)
         positions = self.positions
         queries = query.float().new_zeros(*query.shape[:2], self.length, query.shape[3])
-        if query.device.type != "cpu" or not interval_attention.suits(queries, keys, values):
+        if not interval_attention.suits(queries, keys, values):
             return self.attend_by_chunks(query, keys, values, scale)
         queries = queries.index_copy(2, positions, query.float())
         lo = torch.zeros(1, self.length, dtype=torch.int32)

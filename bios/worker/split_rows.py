@@ -58,7 +58,8 @@ def forward_backward_share(model: torch.nn.Module, item: engine.ForwardItem, ind
 def with_split_rows(output: t.ForwardBackwardOutput, split: dict[int, list[Share]],
                     lengths: dict[int, int]) -> t.ForwardBackwardOutput:
     """An item's output over its other rows (`output`) with its split rows put in at their datum indices: each
-    row's log-probs from every replica's share (in replica order), its loss and `:sum` metrics added."""
+    row's log-probs from every replica's share (in replica order), its loss and metrics the sums of the shares'
+    (a loss that splits is a sum over tokens)."""
     records = list(output.loss_fn_outputs)
     metrics = dict(output.metrics)
     for index in sorted(split):
