@@ -5,9 +5,8 @@ checkpointing on the same row, in the same run, rounds alternating.
     python bench/long_context.py [--lengths 4096,16384,32768] [--workers 1,2,4] [--limit-gib 1.4] [--rounds 2]
 
 The model is a random Llama (4 layers of width 256, a 64k context) written here with the built-ins' byte-level
-tokenizer. A row longer than the planner's longest row is refused at acceptance (the message is printed); one row
-is not split over workers (context parallelism is not built), so 2 and 4 workers take the same longest row as
-one, and one of them computes it while the others wait.
+tokenizer. A row longer than the planner's longest row is refused at acceptance (the message is printed); a row
+longer than one worker's pass is split by sequence over the group's workers (`bios.worker.context_parallel`).
 """
 
 from __future__ import annotations

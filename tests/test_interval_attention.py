@@ -83,6 +83,30 @@ def test_matches_sdpa_forward_and_backward(kind, length, threads, monkeypatch):
         torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_queries_at_some_of_the_keys_positions_match_those_rows_of_the_whole(threads, monkeypatch):
+    """A split row's share (`bios.worker.context_parallel`): queries at some positions, each over every key up
+    to its own, give those rows of the whole row's attention, and those rows' share of its gradients."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    length, positions = 45, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 44])
+    query, key, value = (t.detach().requires_grad_() for t in _qkv(length, seed=3))
+    mine = query.detach()[:, :, positions].requires_grad_()
+    assert suits(mine, key, value, same_length=False) and not suits(mine, key, value)
+    lo = torch.zeros(BATCH, len(positions), dtype=torch.int32)
+    hi = positions.to(torch.int32).expand(BATCH, -1).contiguous()
+    out = interval_attention(mine, key, value, lo, hi, 0.3)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    whole_grad = torch.zeros(BATCH, length, HEADS, WIDTH)
+    whole_grad[:, positions] = grad  # the other rows' outputs count for nothing
+    expected, inputs = _reference(query, key, value, _mask("causal", length), 0.3)
+    out.backward(grad)
+    expected.backward(whole_grad.double())
+    torch.testing.assert_close(out.double(), expected[:, positions], atol=2e-6, rtol=0)
+    torch.testing.assert_close(mine.grad.double(), inputs[0].grad[:, :, positions], atol=2e-5, rtol=0)
+    for ours, theirs in zip((key, value), inputs[1:]):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, atol=2e-5, rtol=0)
+
+
 def _tables(length: int, rows: int):
     """Transformers-style RoPE tables [rows, S, D] (each angle twice), rows 1 broadcasting over the batch."""
     angles = torch.randn(rows, length, WIDTH // 2, generator=torch.Generator().manual_seed(2)) * 3

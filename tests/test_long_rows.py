@@ -10,6 +10,7 @@ than one of them holds trains split over them, beside short rows, and equals one
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 from pathlib import Path
 
@@ -24,18 +25,28 @@ from transformers import LlamaConfig
 import bios
 from bios import spec
 from bios.exceptions import BadRequestError
+from bios import messages as m
+from bios.coordinator.catalog import Catalog
+from bios.coordinator.checkpoints import DirectoryCheckpointStore
+from bios.coordinator.exchange import CycleOutcome
+from bios.coordinator.membership import Member
+from bios.coordinator.scheduler import Scheduler, Submit
+from bios.coordinator.store import Store
+from bios.models.long_rows import MLP_CHUNK_TOKENS
 from bios.models.memory_plan import USABLE_FRACTION, MiB, ModelShape, choose_plan, estimate, longest_row
 from bios.types import Datum, LoraConfig, ModelInput
+from bios.wire import make_codec
+from bios.worker import memory_plan
 from bios.worker.adapter import AdapterState
 from bios.worker.context_parallel import SequenceShare, share_chunks, share_positions
 from bios.worker.engine import ForwardItem, discard_gradients, forward_backward
 
-LIMIT = 900 * MiB  # the long model's plan passes 4096 tokens here, and its longest row is ~6.6k tokens
+LIMIT = 900 * MiB  # the long model's plan passes 4096 tokens here, and its longest row is ~8.9k tokens
 FP32 = {"BIOS_BASE_DTYPE": "float32"}
-# One worker holds rows of 4096 tokens (its pass) here, two 5.1k-6.1k split and four 8k-10k, as the workers'
-# measured runtime goes (a clean clone's measured more than a working tree's)
+# One worker holds rows of 4.1k-5k tokens here, two 6.6k-8k split and four 9k-11k, as the workers' measured
+# runtime goes (360-400 MiB: a clean clone's measured more than a working tree's)
 SPLIT_LIMIT = 700 * MiB
-SPLIT_ROW = 4600  # tokens: more than one worker of SPLIT_LIMIT holds, less than two hold split
+SPLIT_ROW = 6000  # tokens: more than one worker of SPLIT_LIMIT holds, less than two hold split
 PARAMS = bios.types.AdamParams(learning_rate=1e-3)
 
 
@@ -46,7 +57,8 @@ def test_the_longest_row_fits_the_budget_with_checkpointing_and_one_token_more_d
     one, two, four = plan.longest_row(1), plan.longest_row(2), plan.longest_row(4)
     assert plan.batch_tokens < one < two < four <= shape.max_context_length  # more workers, longer rows
     assert plan.longest_row(64) == plan.longest_row(32) >= four  # sized for groups of up to 32
-    sized = partial(estimate, shape, lora_rank=8, activation_checkpointing=True, overhead_bytes=360 * MiB)
+    sized = partial(estimate, shape, lora_rank=8, activation_checkpointing=True, overhead_bytes=360 * MiB,
+                    mlp_chunk=MLP_CHUNK_TOKENS)
     assert longest_row(sized, USABLE_FRACTION * LIMIT, plan.batch_tokens, None) == one
     assert sized(batch_tokens=one).total <= USABLE_FRACTION * LIMIT
     assert longest_row(sized, USABLE_FRACTION * LIMIT, plan.batch_tokens, None, shape, replicas=2) == two
@@ -65,7 +77,8 @@ def test_only_losses_that_sum_over_tokens_split_a_row():
     assert not spec.splits_rows("cross_entropy", object(), row)  # a custom loss sees whole rows
 
 
-def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass():
+def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass(monkeypatch):
+    monkeypatch.setattr(memory_plan, "MLP_CHUNK_TOKENS", 16)  # the row's MLPs run in chunks of 16, 16 and 8
     model = random_llama(300)
     adapter = AdapterState.create("run", model, LoraConfig(rank=4, seed=3), device="cpu")
     generator = torch.Generator().manual_seed(5)
@@ -75,14 +88,18 @@ def test_a_row_longer_than_the_pass_runs_checkpointed_and_equals_the_plain_pass(
     plain = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")], max_tokens_per_pass=64)[0]
     plain_grad = adapter.pending_grad.clone()
     discard_gradients(adapter)
-    recomputed = []
+    recomputed, chunks = [], []
     for layer in model.model.layers:  # count the recomputations: a checkpointed layer's attention runs twice
         layer.self_attn.register_forward_pre_hook(lambda *_: recomputed.append(1))
+        layer.mlp.down_proj.register_forward_pre_hook(lambda _, args: chunks.append(args[0].shape[1]))
     alone = forward_backward(model, [ForwardItem(adapter, data, "cross_entropy")], max_tokens_per_pass=16)[0]
     assert len(recomputed) == 2 * len(model.model.layers)
+    # every MLP call, in forward and in recomputations, took a chunk of the row's 40 positions: 16, 16, 8
+    assert chunks[:3 * len(model.model.layers)] == [16, 16, 8] * len(model.model.layers) and max(chunks) == 16
     assert alone.loss == pytest.approx(plain.loss, rel=1e-6)
     torch.testing.assert_close(adapter.pending_grad, plain_grad, rtol=1e-5, atol=1e-7)
     assert not any(getattr(m, "_bios_checkpointed", False) for m in model.modules())  # the plan's way again
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
 
 
 class _KnownRow:
@@ -199,3 +216,44 @@ def test_a_row_longer_than_one_worker_holds_trains_split_over_the_group_and_equa
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert_same_weights(weights, unconstrained[2])
     assert max(peaks) < SPLIT_LIMIT, f"peak RSS {[round(p / MiB) for p in peaks]} MiB over {SPLIT_LIMIT / MiB:.0f} MiB"
+
+
+async def test_a_row_accepted_for_more_workers_than_remain_waits_for_them(tmp_path):
+    """A row split over two workers was accepted; one leaves before it runs: it waits, its client told why, and
+    runs once the group has two workers again (the scheduler driven as a group's runner drives it)."""
+    model = str(write_long_model(tmp_path / "long"))
+    store, codec, pushed = Store(tmp_path), make_codec(), []
+
+    async def push(peer: bytes, frames: list) -> None:
+        pushed.append(codec.decode([bytes(f) for f in frames]).body)
+
+    live = [Member(f"w{i}", f"w{i}".encode(), "127.0.0.1", i, "cpu", SPLIT_LIMIT, runtime_bytes=360 * MiB)
+            for i in range(2)]
+    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), codec, push,
+                          lambda: None, workers=lambda: list(live))
+    store.add_session("s", "a")
+    await scheduler.submit(Submit(b"c", "a", m.CreateModel("s", 0, model, LoraConfig(rank=8)), [b"x"]))
+
+    async def tick() -> tuple[m.WorkItem, ...]:
+        group = (await scheduler.place()).groups[0].group_id
+        items = scheduler.schedule(group, scheduler.schedule(group, None).layout).items
+        await asyncio.sleep(0.01)  # the notices go out
+        return items
+
+    [create] = await tick()
+    info = bios.types.BaseModelInfo(model, model, "llama", 256, 16384, 1, 2, 100_000)
+    await scheduler.update(CycleOutcome(1, (model,), (m.ItemDone(1, create.request_id, m.ModelCreated(
+        "s:train:0", info, 8, 1000), None),), aborted=False))
+    two = scheduler.planner.longest_row(model)
+    alone = scheduler.planner.plans[model].longest_row(1)
+    assert alone < two  # a row of `two` tokens needs both workers
+    step = m.ForwardBackward("s:train:0", 1, [random_datum(two)], "cross_entropy")
+    await scheduler.submit(Submit(b"c", "a", step, [b"x"]))
+    gone = live.pop()
+    assert await tick() == ()  # one worker left: the row waits
+    notices = [body.message for body in pushed if isinstance(body, m.Notice)]
+    assert notices and f"it waits for workers: data[0] has {two} tokens" in notices[-1] and str(alone) in notices[-1]
+    assert await tick() == () and len([b for b in pushed if isinstance(b, m.Notice)]) == len(notices)  # told once
+    live.append(gone)
+    assert [type(item.op) for item in await tick()] == [m.ForwardBackward]  # two workers again: it runs
+    store.close()

@@ -26,7 +26,7 @@ from bios.models.registry import model_vision
 from bios.security.limits import QuotaLedger
 
 from .catalog import Catalog
-from .planning import PlanChoice, PoolPlanner
+from .planning import PlanChoice, PoolPlanner, forward_rows
 from .runs import Run
 from .store import Store, StoredRequest
 
@@ -223,10 +223,10 @@ class Admission:
                     for i, datum in enumerate(op.data)]
             spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos),
                                op.custom_loss)
-            self.planner.check_rows(run.base_model, [(datum.model_input.length, spec.splits_rows(
-                op.loss_fn, op.custom_loss, datum.model_input)) for datum in data])
+            op = dataclasses.replace(op, data=data)
+            self.planner.check_rows(run.base_model, forward_rows(op))
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
-            return dataclasses.replace(op, data=data)
+            return op
         elif isinstance(op, m.OptimStep):
             spec.check_optim_params(op.adam_params, run.optimizer)
         elif isinstance(op, m.SaveWeights):

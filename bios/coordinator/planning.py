@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from bios import messages as m
+from bios import spec
 from bios import types as t
 from bios.exceptions import BadRequestError
 from bios.models.memory_plan import Plan, choose_plan, model_shape
@@ -27,6 +28,12 @@ from .runs import Run
 from .worker_fit import fit_workers
 
 log = logging.getLogger(__name__)
+
+
+def forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:
+    """Each row of a forward(-backward) request: its length, and whether it may be split over workers."""
+    return [(datum.model_input.length, spec.splits_rows(op.loss_fn, op.custom_loss, datum.model_input))
+            for datum in op.data]
 
 Workers = Callable[[], list[Any]]  # the live workers (membership Members: worker_id, memory_bytes, runtime_bytes, device)
 
@@ -234,8 +241,16 @@ class PoolPlanner:
         return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
 
     def check_rows(self, base_model: str, rows: list[tuple[int, bool]]) -> None:
-        """BadRequestError naming the first row longer than `base_model`'s group holds (`longest_row`; `rows`:
-        each one's length and whether it may split, `spec.splits_rows`): it would run a worker out of memory."""
+        """BadRequestError naming the first row longer than `base_model`'s group holds (`too_long`): it would run
+        a worker out of memory."""
+        if (found := self.too_long(base_model, rows)) is not None:
+            index, why = found
+            raise BadRequestError(f"{why}; shorten or split the row, or add workers or memory",
+                                  field=f"data[{index}].model_input")
+
+    def too_long(self, base_model: str, rows: list[tuple[int, bool]]) -> tuple[int, str] | None:
+        """The first row longer than `base_model`'s group holds now (`longest_row`; `rows`: each one's length and
+        whether it may split, `forward_rows`), with why; None when every row fits."""
         for index, (length, splits) in enumerate(rows):
             longest = self.longest_row(base_model, splits=splits)
             if longest is None or length <= longest:
@@ -243,10 +258,10 @@ class PoolPlanner:
             replicas = self._split_over(base_model)
             how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else "on one worker" if splits
                    else "on one worker (its loss or its images need the whole row on one worker)")
-            raise BadRequestError(
-                f"data[{index}] has {length} tokens, and {base_model} trains rows of at most {longest} tokens {how} "
-                f"({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing included); "
-                "shorten or split the row, or add workers or memory", field=f"data[{index}].model_input")
+            return index, (f"data[{index}] has {length} tokens, and {base_model} trains rows of at most {longest} "
+                           f"tokens {how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation "
+                           "checkpointing included)")
+        return None
 
     def check_sample(self, base_model: str, prompt_tokens: int, new_tokens: int, samples: int) -> None:
         """BadRequestError when `samples` continuations of a prompt would not fit a worker's key/value cache

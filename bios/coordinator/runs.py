@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from bios import messages as m
@@ -65,6 +65,7 @@ class Run:
     progressed_at: float = field(default_factory=time.monotonic)  # when its next request last came or ran
     optimizer: t.OptimizerName = "adamw"  # chosen at creation
     lora_targets: list[t.LoraTargetGroup] | None = None  # what its adapter trains, as the worker created it
+    held: str | None = None  # why its next request waits although it could run (its group shrank under it)
 
     def describe(self, memory_plan: str | None, longest_row: int | None = None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base
@@ -104,16 +105,26 @@ class Run:
     def runnable(self) -> bool:
         return self.next_seq in self.queue
 
+    def ready(self) -> bool:
+        """Runnable and not held: a cycle would take its next request."""
+        return self.runnable() and self.held is None
+
     def runs_alone(self) -> bool:
         """Whether this run's next cycle stalled before: it runs in a cycle of its own, so that a stall again
         is its own doing and fails only its requests."""
         head = self.queue.get(self.next_seq)
         return head is not None and head.stalls > 0
 
-    def take_cycle(self) -> list[Queued]:
-        """This cycle's share: forward work in order, up to and including the first other op."""
+    def take_cycle(self, hold: Callable[[Queued], str | None] = lambda queued: None) -> list[Queued]:
+        """This cycle's share: forward work in order, up to and including the first other op; it stops before a
+        request `hold` says must wait (why: kept in `held`, which the scheduler clears when the placement
+        changes)."""
         taken: list[Queued] = []
-        while self.next_seq in self.queue:
+        while self.next_seq in self.queue and self.held is None:
+            head = self.queue[self.next_seq]
+            if not head.rejected and (why := hold(head)) is not None:
+                self.held = why
+                break
             item = self.queue.pop(self.next_seq)
             self.in_flight.append((self.next_seq, item))
             self.next_seq += 1
@@ -136,7 +147,8 @@ class Run:
         if not self.runnable():
             return (f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s for seq_id {self.next_seq}, "
                     "which never arrived (a client that reserved it and died?)")
-        return f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s to run"
+        held = f": {self.held}" if self.held else ""
+        return f"{len(waiting)} request(s) of {self.model_id} have waited {age:.0f}s to run{held}"
 
     def ran_elsewhere(self, seq_id: int) -> Queued | None:
         """Take `seq_id` out of the queue: a worker ran and committed it before this coordinator's log recorded

@@ -10,12 +10,14 @@ cycle (`schedule`, `update`: `bios.coordinator.exchange`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from bios import ids
 from bios import messages as m
@@ -32,7 +34,7 @@ from .disk import is_disk_full
 from .exchange import CycleOutcome, CyclePlan, GroupLayout
 from .metrics import CoordinatorMetrics
 from .placement import Placement
-from .planning import PoolPlanner, Workers
+from .planning import PoolPlanner, Workers, forward_rows
 from .recovery import restore
 from .requeue import CycleWork, requeue
 from .results import Push, ResultRouter
@@ -89,7 +91,7 @@ class Scheduler(Actor):
             await self.results.deliver(request_id, op, None, error)
         for base_model, exc in self.planner.plan_runs(list(self.runs.values())).items():
             log.error("%s cannot be planned on this pool any more: %s", base_model, exc.message)
-        if self.samples or any(run.runnable() for run in self.runs.values()):
+        if self.samples or any(run.ready() for run in self.runs.values()):
             self.on_work()
 
     # ------------------------------------------------------------------------------------ the front door
@@ -128,7 +130,14 @@ class Scheduler(Actor):
         self.planner.base_of = {run.model_id: run.base_model for run in self.runs.values()}
         await self._plan_waiting()
         await self._plan_sampled()
-        return self.planner.replace(queued_tokens(self.runs.values()))
+        before = self.planner.placement.layout()
+        placement = self.planner.replace(queued_tokens(self.runs.values()))
+        held = [run for run in self.runs.values() if run.held is not None]
+        if held and placement.layout() != before:  # their groups may hold their rows now
+            for run in held:
+                run.held = None
+            self.on_work()
+        return placement
 
     def schedule(self, group_id: str, formed: GroupLayout | None) -> CyclePlan:
         """One tick of a group: its layout and adapters, and, when its generation was `formed` for this layout,
@@ -257,7 +266,7 @@ class Scheduler(Actor):
         else:
             run = self.runs[fresh.target]
             run.enqueue(fresh.seq_id, Queued(fresh.request_id, op))
-            if run.runnable():
+            if run.ready():
                 self.on_work()
         return m.Accepted(fresh.request_id)
 
@@ -316,7 +325,7 @@ class Scheduler(Actor):
         live = [run for run in self.runs.values() if run.status != "lost" and run.base_model in models]
         alone = next((run for run in live if run.runs_alone()), None)
         for run in [alone] if alone is not None else live:
-            taken = run.take_cycle()
+            taken = run.take_cycle(partial(self._hold, run))
             items.extend(m.WorkItem(q.request_id, q.op) for q in taken)
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
@@ -328,9 +337,21 @@ class Scheduler(Actor):
         if items:
             self.cycles[cycle_id] = work
         self.results.timeline.taken(work.ops)
-        if any(run.runnable() for run in self.runs.values()):
+        if any(run.ready() for run in self.runs.values()):
             self.on_work()
         return items
+
+    def _hold(self, run: Run, queued: Queued) -> str | None:
+        """Why `queued` must wait although it is next: a row longer than its group holds now (accepted when the
+        group was bigger; workers left since). Its client hears why; the placement changing lets it try again."""
+        op = queued.op
+        if not isinstance(op, m.FORWARD_TYPES) or (found := self.planner.too_long(run.base_model,
+                                                                                 forward_rows(op))) is None:
+            return None
+        why = f"it waits for workers: {found[1]}"
+        log.warning("%s: request %s %s", run.model_id, queued.request_id, why)
+        asyncio.ensure_future(self.results.notify(queued.request_id, why))
+        return why
 
     async def _finished(self, work: CycleWork, done: m.ItemDone) -> m.ItemDone | None:
         """Record one item's result (an automatic checkpoint's is written now); returns the answer its client
@@ -375,7 +396,7 @@ class Scheduler(Actor):
         if outcome.aborted and outcome.worker_died:
             await self._retry_smaller()
         self.samples[:0] = verdict.samples
-        if self.samples or any(run.runnable() for run in self.runs.values()):
+        if self.samples or any(run.ready() for run in self.runs.values()):
             self.on_work()
 
     async def _retry_smaller(self) -> None:

@@ -52,8 +52,8 @@ _SIGNATURES = {
     "bios_rms_norm_bf16": [_p, _p, _p, _p, _i, _i, _f, _i],
     "bios_rms_norm_backward_bf16": [_p, _p, _p, _p, _p, _i, _i, _i],
     "bios_rotate_bf16": [_p, _l, _p, _l, _i, _i, _i, _p, _p, _i],
-    "bios_interval_attention": [_p] * 10 + [_i] * 5 + [_f, _i],
-    "bios_interval_attention_backward": [_p] * 14 + [_i] * 5 + [_f, _i],
+    "bios_interval_attention": [_p] * 10 + [_i] * 6 + [_f, _i],
+    "bios_interval_attention_backward": [_p] * 14 + [_i] * 6 + [_f, _i],
 }
 
 

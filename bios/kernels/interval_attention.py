@@ -32,14 +32,16 @@ from bios.kernels.c_kernels import c_kernels
 _last_mask: tuple[weakref.ref, int, tuple[Tensor, Tensor] | None] | None = None
 
 
-def suits(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """Whether `interval_attention` takes these [B, H, S, D] tensors: CPU, queries and keys of one length, keys
-    and values of one width, a head width the kernel's tiles divide, whole groups of query heads per kv head,
-    and the C kernels built (`BIOS_C_KERNELS` not off)."""
+def suits(query: Tensor, key: Tensor, value: Tensor, *, same_length: bool = True) -> bool:
+    """Whether `interval_attention` takes these [B, H, S, D] tensors: CPU, queries and keys of one length (unless
+    not `same_length`: queries at some of the keys' positions, their intervals saying which), keys and values of
+    one width, a head width the kernel's tiles divide, whole groups of query heads per kv head, and the C kernels
+    built (`BIOS_C_KERNELS` not off)."""
     if query.device.type != "cpu" or query.dim() != 4 or key.shape != value.shape:
         return False
     batch, heads, length, width = query.shape
-    if key.shape[0] != batch or key.shape[2] != length or key.shape[3] != width or heads % key.shape[1]:
+    if key.shape[0] != batch or (same_length and key.shape[2] != length) or key.shape[3] != width \
+            or heads % key.shape[1]:
         return False
     kernels = c_kernels()
     return kernels is not None and width % (2 * kernels.width) == 0
@@ -85,9 +87,9 @@ def _intervals_of(mask: Tensor) -> tuple[Tensor, Tensor] | None:
 
 
 def interval_attention(query: Tensor, key: Tensor, value: Tensor, lo: Tensor, hi: Tensor, scale: float) -> Tensor:
-    """softmax(scale q kᵀ over each query's interval) v for fp32 query [B, Hq, S, D] and key, value [B, Hkv, S, D]
-    (any strides with D contiguous; `suits` must hold), returned as [B, S, Hq, D] (contiguous), the layout
-    Transformers' attention functions return. Differentiable in query, key and value."""
+    """softmax(scale q kᵀ over each query's interval) v for fp32 query [B, Hq, S, D] and key, value
+    [B, Hkv, Sk, D] (any strides with D contiguous; `suits` must hold), returned as [B, S, Hq, D] (contiguous),
+    the layout Transformers' attention functions return. Differentiable in query, key and value."""
     _check(query, lo, hi, (query, key, value))
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _IntervalAttention.apply(query, key, value, lo, hi, scale)
@@ -159,14 +161,14 @@ def _tables(rotation: tuple[Tensor, Tensor] | None) -> tuple[int | None, int | N
 
 
 def _forward(q, k, v, lo, hi, scale, rotation):
-    """(out [B, S, Hq, D], lse [B, Hq, S]) for q, k, v [B, S, H, D]."""
+    """(out [B, S, Hq, D], lse [B, Hq, S]) for q [B, S, H, D] and k, v [B, Sk, H, D] (Sk = S with `rotation`)."""
     batch, length, heads, width = q.shape
     out = q.new_empty(batch, length, heads, width)
     lse = q.new_empty(batch, heads, length)
     strides = _strides([q, k, v, out], rotation)
     c_kernels().library.bios_interval_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), strides.data_ptr(),
-        lo.data_ptr(), hi.data_ptr(), *_tables(rotation), batch, length, heads, k.shape[2], width, scale,
+        lo.data_ptr(), hi.data_ptr(), *_tables(rotation), batch, length, k.shape[1], heads, k.shape[2], width, scale,
         torch.get_num_threads())
     return out, lse
 
@@ -179,7 +181,7 @@ def _backward(q, k, v, out, lse, lo, hi, scale, rotation, grad_out, grad_q, grad
     c_kernels().library.bios_interval_attention_backward(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), grad_out.data_ptr(),
         grad_q.data_ptr(), grad_k.data_ptr(), grad_v.data_ptr(), strides.data_ptr(), lo.data_ptr(), hi.data_ptr(),
-        *_tables(rotation), batch, length, heads, k.shape[2], width, scale, torch.get_num_threads())
+        *_tables(rotation), batch, length, k.shape[1], heads, k.shape[2], width, scale, torch.get_num_threads())
 
 
 class _IntervalAttention(torch.autograd.Function):

@@ -10,6 +10,9 @@ from typing import Protocol
 from bios.models.model_shape import ModelShape
 
 FP32 = 4
+# A long row's pass runs each dense MLP on this many positions at a time, each chunk recomputed in backward
+# (`bios.worker.memory_plan.chunk_dense_mlps`): its [tokens, intermediate] activations are a chunk's, not the row's.
+MLP_CHUNK_TOKENS = 1024
 
 
 class PassEstimate(Protocol):
@@ -61,9 +64,9 @@ def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: i
 
 def split_attention_bytes(shape: ModelShape, tokens: int) -> int:
     """What a row split over replicas adds on each (`bios.worker.context_parallel`): the layer in backward holds
-    the whole row's queries (its own at their positions), gathered keys and values, and attention output, fp32,
-    and as much again for their gradients."""
-    return 2 * (2 * shape.q_size + 2 * shape.kv_size) * tokens * FP32
+    the whole row's gathered keys and values and their gradients, one gather's parts, and the attention kernel's
+    key buffers (six [head width, tokens] per thread), fp32. Queries and outputs are the replica's own."""
+    return (5 * shape.kv_size + 6 * shape.head_dim) * tokens * FP32
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, rows: int, tp: int = 1) -> int:

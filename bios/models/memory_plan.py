@@ -36,7 +36,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from bios.exceptions import BadRequestError
-from bios.models.long_rows import kv_cache_bytes, longest_row
+from bios.models.long_rows import MLP_CHUNK_TOKENS, kv_cache_bytes, longest_row
 from bios.models.model_shape import ModelShape, model_shape
 
 __all__ = ["MemoryEstimate", "ModelShape", "Plan", "choose_plan", "estimate", "longest_row", "model_shape"]
@@ -159,6 +159,7 @@ def estimate(
     device_type: DeviceType = "cpu",
     fused_kernels: bool = True,
     overhead_bytes: int | None = None,
+    mlp_chunk: int | None = None,
 ) -> MemoryEstimate:
     """Peak bytes on one worker for one forward/backward pass of `batch_tokens` tokens (plus the optimizer).
 
@@ -167,7 +168,8 @@ def estimate(
     workers; embeddings, output head and norms are replicated on each. `fused_kernels` says whether the
     worker runs `bios.kernels` (`BIOS_KERNELS`, on by default) or the stock ops, which keep more per layer and
     the whole [tokens, vocab] logits. `overhead_bytes` is the worker's measured runtime footprint (default:
-    `RUNTIME_OVERHEAD` of the device type).
+    `RUNTIME_OVERHEAD` of the device type). `mlp_chunk`: a checkpointed long row's pass runs dense MLPs that
+    many positions at a time (`bios.models.long_rows.MLP_CHUNK_TOKENS`).
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     if dtype not in _DTYPE_BYTES:
@@ -179,7 +181,7 @@ def estimate(
         weights=_weight_elements(shape, tp) * weight_bytes,
         adapters=num_adapters * _lora_elements(shape, lora_rank, tp) * 5 * _FP32,
         activations=_activation_bytes(
-            shape, lora_rank, batch_tokens, dtype, activation_checkpointing, tp, fused_kernels
+            shape, lora_rank, batch_tokens, dtype, activation_checkpointing, tp, fused_kernels, mlp_chunk
         ),
         logits=_logits_bytes(shape, batch_tokens, dtype, fused_kernels),
         overhead=RUNTIME_OVERHEAD[device_type] if overhead_bytes is None else overhead_bytes,
@@ -242,7 +244,8 @@ def choose_plan(
                         if wider.total > USABLE_FRACTION * budget_bytes:
                             break
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
-                    alone = partial(longest_row, partial(sized, activation_checkpointing=True),
+                    long_pass = partial(sized, activation_checkpointing=True, mlp_chunk=MLP_CHUNK_TOKENS)
+                    alone = partial(longest_row, long_pass,
                                     USABLE_FRACTION * budget_bytes, plan.batch_tokens, shape.max_context_length, shape)
                     most = max_replicas if tp == 1 else 1
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
@@ -343,31 +346,43 @@ def _saved_per_token_layer(
     rank-sized LoRA products, plus a dense MLP's share for its shared experts.
     """
     act = _DTYPE_BYTES[dtype]
-    h, q, i = shape.hidden_size, shape.q_size, shape.intermediate_size
+    h, q = shape.hidden_size, shape.q_size
     replicated = 4 * h * act if fused else 2 * h * _FP32 + 2 * h * act
     if moe:  # a worker may hold all of a token's experts (routing decides), so expert terms do not split
         active = shape.experts_per_token
         per_expert = 2 * h + 4 * shape.expert_intermediate_size + 2 * rank
         shared = 4 * shape.shared_intermediate_size + 3 * rank
         return replicated + (5 * q / tp + active * per_expert + shared) * act + 4 * rank * act
-    split = (5 * q + (3 if fused else 4) * i) * act
     lora = 7 * rank * act
-    return replicated + split / tp + lora
+    return replicated + 5 * q * act / tp + _mlp_per_token(shape, dtype, tp, fused) + lora
 
 
 def _activation_bytes(
-    shape: ModelShape, rank: int, tokens: int, dtype: Dtype, checkpointing: bool, tp: int, fused: bool
+    shape: ModelShape, rank: int, tokens: int, dtype: Dtype, checkpointing: bool, tp: int, fused: bool,
+    mlp_chunk: int | None = None,
 ) -> int:
     dense = _saved_per_token_layer(shape, rank, dtype, tp, fused) * tokens * _ACTIVATION_FRAGMENTATION
     moe = _saved_per_token_layer(shape, rank, dtype, tp, fused, moe=True) * tokens * _ACTIVATION_FRAGMENTATION
     # One layer's backward: gradients of its I-sized and H-sized activations while its saved ones are live.
-    width = max(shape.intermediate_size / tp, shape.experts_per_token * shape.expert_intermediate_size)
+    dense_width = shape.intermediate_size / tp
+    width = max(dense_width, shape.experts_per_token * shape.expert_intermediate_size)
     backward = tokens * (3 * width + 3 * shape.hidden_size) * _FP32
     vision = shape.vision.activation_bytes(tokens, _DTYPE_BYTES[dtype]) if shape.vision is not None else 0
-    if checkpointing:
-        kept = shape.num_layers * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _CHECKPOINT_FRAGMENTATION
-        return int(kept + max(dense, moe if shape.moe_layers else 0) + backward + vision)
-    return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward + vision)
+    if not checkpointing:
+        return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward + vision)
+    kept = shape.num_layers * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _CHECKPOINT_FRAGMENTATION
+    if mlp_chunk and shape.chunked_mlp and tokens > mlp_chunk:
+        # the recomputed dense layer keeps its MLP's [tokens, intermediate] tensors, and their gradients, for one
+        # chunk only (a MoE layer's experts are not chunked)
+        dense -= _mlp_per_token(shape, dtype, tp, fused) * _ACTIVATION_FRAGMENTATION * (tokens - mlp_chunk)
+        experts = shape.experts_per_token * shape.expert_intermediate_size
+        backward = (tokens * (3 * experts + 3 * shape.hidden_size) + mlp_chunk * 3 * dense_width) * _FP32
+    return int(kept + max(dense, moe if shape.moe_layers else 0) + backward + vision)
+
+
+def _mlp_per_token(shape: ModelShape, dtype: Dtype, tp: int, fused: bool) -> float:
+    """The part of `_saved_per_token_layer` that is a dense MLP's: gate, up and what it keeps of their product."""
+    return (3 if fused else 4) * shape.intermediate_size * _DTYPE_BYTES[dtype] / tp
 
 
 def _logits_bytes(shape: ModelShape, tokens: int, dtype: Dtype, fused: bool) -> int:

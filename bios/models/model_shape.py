@@ -30,6 +30,11 @@ _UNSPLIT_LAYOUTS = {
     "falcon": "its fused query_key_value layers have no tensor-parallel split",
     "gpt_oss": "its attention sinks have no tensor-parallel split",
 }
+# model types whose decoder layers hold their dense MLP as an `mlp` child, which a long row's pass runs in chunks
+# of positions (`bios.worker.memory_plan.chunk_dense_mlps`); the planner counts whole-row MLPs for the others
+_CHUNKED_MLP_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "phi3", "gpt2", "gemma", "gemma2", "gemma3_text",
+    "deepseek_v3", "olmo", "olmo2", "starcoder2", "granite", "smollm3", "gpt_neox", "falcon", "stablelm"})
 _VISION_SPLIT_PROBLEM = "vision-language models are not tensor-parallel split (the shards hold no image processor)"
 _NAMES = {
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
@@ -63,6 +68,7 @@ class ModelShape:
     split_problem: str | None = None  # why tensor parallelism cannot split this layout at all
     stored_parameters: int | None = None  # from the safetensors headers, for layouts the arithmetic does not know
     vision: VisionTower | None = None  # a vision-language model's image encoder (frozen: LoRA is on the decoder)
+    chunked_mlp: bool = False  # a long row's pass runs its dense MLPs a chunk of positions at a time
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -125,6 +131,7 @@ class ModelShape:
             moe_layers=moe_layers,
             split_problem=split_problem,
             vision=vision,
+            chunked_mlp=model_type in _CHUNKED_MLP_TYPES,
         )
 
     @property

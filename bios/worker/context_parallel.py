@@ -8,9 +8,8 @@ replica's gradient for them and keeps its own positions'. Built-in losses are su
 loss is its positions' share; the cycle's gradient sum over replicas then adds the shares, as it adds shards of
 a batch.
 
-On CPU, attention runs Bios's interval kernel over the whole row's length, this replica's queries at their
-positions and empty intervals elsewhere (nothing computed there): the same kernel, and the same arithmetic per
-query, as one worker running the whole row. Elsewhere (CUDA) each chunk's queries attend over the keys up to the
+On CPU, attention runs Bios's interval kernel: this replica's queries, each over the whole row's keys up to its
+position, the same kernel and the same arithmetic per query as one worker running the whole row. Elsewhere (CUDA) each chunk's queries attend over the keys up to the
 chunk's end by SDPA with a lower-right causal bias. Bios's attention (`bios.worker.attention`) asks `current()`
 at each call.
 """
@@ -84,16 +83,13 @@ class SequenceShare:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if query.device.type != "cpu":
             return self.attend_by_chunks(query, keys, values, scale)
-        positions = self.positions
-        queries = query.float().new_zeros(*query.shape[:2], self.length, query.shape[3])
-        if not interval_attention.suits(queries, keys, values):
+        queries = query.float()
+        if not interval_attention.suits(queries, keys, values, same_length=False):
             return self.attend_by_chunks(query, keys, values, scale)
-        queries = queries.index_copy(2, positions, query.float())
-        lo = torch.zeros(1, self.length, dtype=torch.int32)
-        hi = torch.full((1, self.length), -1, dtype=torch.int32)
-        hi[0, positions] = positions.to(torch.int32)
+        lo = torch.zeros(1, queries.shape[2], dtype=torch.int32)
+        hi = self.positions.to(torch.int32)[None].contiguous()  # each query sees the keys up to its position
         output = interval_attention.interval_attention(queries, keys.float(), values.float(), lo, hi, scale)
-        return output[:, positions].to(query.dtype)
+        return output.to(query.dtype)
 
     def attend_by_chunks(self, query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         """`attend` where the interval kernel does not run (CUDA, other head widths): each of the two chunks'

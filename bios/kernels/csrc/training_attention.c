@@ -209,19 +209,19 @@ typedef struct {
   strides3 q, k, v, out;
   tables rope;
   const int *lo, *hi;
-  int B, S, Hq, Hkv, D, padded;
+  int B, S, Sk, Hq, Hkv, D, padded; /* S queries, Sk keys */
   float scale;
 } call;
 
 static call read_call(const long* strides, int tensors, const int* lo, const int* hi, const float* cos,
-                      const float* sin, int B, int S, int Hq, int Hkv, int D, float scale) {
+                      const float* sin, int B, int S, int Sk, int Hq, int Hkv, int D, float scale) {
   call c = {strides_at(strides, 0), strides_at(strides, 1), strides_at(strides, 2), strides_at(strides, 3),
-            {cos, sin, strides[3 * tensors], strides[3 * tensors + 1]}, lo, hi, B, S, Hq, Hkv, D,
-            (int)round_up(S, TILE), scale};
+            {cos, sin, strides[3 * tensors], strides[3 * tensors + 1]}, lo, hi, B, S, Sk, Hq, Hkv, D,
+            (int)round_up(Sk, TILE), scale};
   return c;
 }
 
-/* One (batch row, kv head) task's keys, RoPE'd, and values, as contiguous rows [S][D], and the keys' transpose
+/* One (batch row, kv head) task's keys, RoPE'd, and values, as contiguous rows [Sk][D], and the keys' transpose
  * [D][padded] (and the values', where vt is not NULL). */
 typedef struct {
   float *keys, *kt, *values, *vt;
@@ -229,8 +229,8 @@ typedef struct {
 
 static void load_head(const call* c, const float* k, const float* v, int b, int hk, head h) {
   tables none = {0};
-  load_keys(k + b * c->k.batch + hk * c->k.head, c->k.position, c->rope, b, c->S, c->D, h.keys, h.kt, c->padded);
-  load_keys(v + b * c->v.batch + hk * c->v.head, c->v.position, none, b, c->S, c->D, h.values, h.vt, c->padded);
+  load_keys(k + b * c->k.batch + hk * c->k.head, c->k.position, c->rope, b, c->Sk, c->D, h.keys, h.kt, c->padded);
+  load_keys(v + b * c->v.batch + hk * c->v.head, c->v.position, none, b, c->Sk, c->D, h.values, h.vt, c->padded);
 }
 
 /* One block of R query rows of head h from i0: its scaled, RoPE'd queries (rows [R][D]), their intervals and
@@ -271,13 +271,13 @@ static head take_head(float** cursor, const call* c, int transposed_values) {
 }
 
 /* forward: out [B][S][Hq][D] and lse [B][Hq][S] (the log of each row's softmax denominator, for backward) from
- * q [B][S][Hq][D], k and v [B][S][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (none if hi < lo:
- * then lo must be 0, and its output is zeros).
+ * q [B][S][Hq][D], k and v [B][Sk][Hkv][D]; query i of batch row b sees keys lo[b][i]..hi[b][i] (none if hi < lo:
+ * then lo must be 0, and its output is zeros). Queries are RoPE'd at their index i: with tables, Sk == S.
  * strides: q, k, v, out, then the tables'. D must be a multiple of TILE. */
 void bios_interval_attention(const float* q, const float* k, const float* v, float* out, float* lse,
                              const long* strides, const int* lo, const int* hi, const float* cos, const float* sin,
-                             int B, int S, int Hq, int Hkv, int D, float scale, int threads) {
-  call c = read_call(strides, 4, lo, hi, cos, sin, B, S, Hq, Hkv, D, scale);
+                             int B, int S, int Sk, int Hq, int Hkv, int D, float scale, int threads) {
+  call c = read_call(strides, 4, lo, hi, cos, sin, B, S, Sk, Hq, Hkv, D, scale);
   int G = Hq / Hkv, padded = c.padded;
   #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -334,9 +334,9 @@ void bios_interval_attention(const float* q, const float* k, const float* v, flo
 void bios_interval_attention_backward(const float* q, const float* k, const float* v, const float* out,
                                       const float* lse, const float* grad_out, float* grad_q, float* grad_k,
                                       float* grad_v, const long* strides, const int* lo, const int* hi,
-                                      const float* cos, const float* sin, int B, int S, int Hq, int Hkv, int D,
-                                      float scale, int threads) {
-  call c = read_call(strides, 8, lo, hi, cos, sin, B, S, Hq, Hkv, D, scale);
+                                      const float* cos, const float* sin, int B, int S, int Sk, int Hq, int Hkv,
+                                      int D, float scale, int threads) {
+  call c = read_call(strides, 8, lo, hi, cos, sin, B, S, Sk, Hq, Hkv, D, scale);
   strides3 gos = strides_at(strides, 4), gqs = strides_at(strides, 5), gks = strides_at(strides, 6),
            gvs = strides_at(strides, 7);
   tables none = {0};
@@ -406,7 +406,7 @@ void bios_interval_attention_backward(const float* q, const float* k, const floa
                         grad_q + b * gqs.batch + (i0 + r) * gqs.position + h * gqs.head);
         }
       }
-      for (int j = 0; j < S; j++) {
+      for (int j = 0; j < c.Sk; j++) {
         rotate_back(dk + (long)j * D, c.rope, b, j, D, grad_k + b * gks.batch + j * gks.position + hk * gks.head);
         rotate_back(dv + (long)j * D, none, b, j, D, grad_v + b * gvs.batch + j * gvs.position + hk * gvs.head);
       }
