@@ -95,6 +95,19 @@ def test_fp32_training_takes_the_interval_kernel_and_sdpa_without_c_kernels(monk
     assert torch.equal(ours, sdpa_attention_forward(_Attention(), query, key, value, None)[0])
 
 
+@needs_c_kernels
+def test_mask_free_rows_over_many_keys_go_to_sdpa(monkeypatch):
+    """Past `SDPA_FROM_KEYS` keys PyTorch's flash attention (tiled keys) beats the interval kernel: a mask-free
+    call that long runs SDPA; a masked one (packed rows) stays with the kernel."""
+    query, key, value = _qkv(40, torch.float32)
+    monkeypatch.setattr("bios.worker.cpu_attention.SDPA_FROM_KEYS", 40)
+    ours, _ = cpu_attention(_Attention(), query, key, value, None)
+    assert torch.equal(ours, sdpa_attention_forward(_Attention(), query, key, value, None)[0])
+    mask = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    ours, _ = cpu_attention(_Attention(), query, key, value, mask)
+    assert torch.equal(ours, interval_attention(query, key, value, *key_intervals(mask, True, 4, 40), 32 ** -0.5))
+
+
 def test_values_narrower_than_keys_come_out_at_their_own_width():
     """MLA (DeepSeek-V3: keys 192 wide, values 128) decodes without padding its values."""
     query, key, value = _qkv(1, torch.bfloat16)

@@ -218,42 +218,86 @@ def test_a_row_longer_than_one_worker_holds_trains_split_over_the_group_and_equa
     assert max(peaks) < SPLIT_LIMIT, f"peak RSS {[round(p / MiB) for p in peaks]} MiB over {SPLIT_LIMIT / MiB:.0f} MiB"
 
 
-async def test_a_row_accepted_for_more_workers_than_remain_waits_for_them(tmp_path):
-    """A row split over two workers was accepted; one leaves before it runs: it waits, its client told why, and
-    runs once the group has two workers again (the scheduler driven as a group's runner drives it)."""
-    model = str(write_long_model(tmp_path / "long"))
-    store, codec, pushed = Store(tmp_path), make_codec(), []
+class _Scheduled:
+    """A scheduler over two workers of SPLIT_LIMIT with the long model's run created, driven as a group's runner
+    drives it (`tick`: place, form for the layout, take a cycle's items), and what its clients were sent."""
 
-    async def push(peer: bytes, frames: list) -> None:
-        pushed.append(codec.decode([bytes(f) for f in frames]).body)
+    def __init__(self, tmp_path) -> None:
+        self.model = str(write_long_model(tmp_path / "long"))
+        self.store, self.codec, self.pushed = Store(tmp_path), make_codec(), []
+        self.live = [Member(f"w{i}", f"w{i}".encode(), "127.0.0.1", i, "cpu", SPLIT_LIMIT, runtime_bytes=360 * MiB)
+                     for i in range(2)]
+        self.scheduler = Scheduler(self.store, Catalog(self.store, DirectoryCheckpointStore(tmp_path / "ckpt")),
+                                   self.codec, self.push, lambda: None, workers=lambda: list(self.live))
+        self.store.add_session("s", "a")
 
-    live = [Member(f"w{i}", f"w{i}".encode(), "127.0.0.1", i, "cpu", SPLIT_LIMIT, runtime_bytes=360 * MiB)
-            for i in range(2)]
-    scheduler = Scheduler(store, Catalog(store, DirectoryCheckpointStore(tmp_path / "checkpoints")), codec, push,
-                          lambda: None, workers=lambda: list(live))
-    store.add_session("s", "a")
-    await scheduler.submit(Submit(b"c", "a", m.CreateModel("s", 0, model, LoraConfig(rank=8)), [b"x"]))
+    async def push(self, peer: bytes, frames: list) -> None:
+        self.pushed.append(self.codec.decode([bytes(f) for f in frames]).body)
 
-    async def tick() -> tuple[m.WorkItem, ...]:
-        group = (await scheduler.place()).groups[0].group_id
-        items = scheduler.schedule(group, scheduler.schedule(group, None).layout).items
+    def notices(self) -> list[str]:
+        return [body.message for body in self.pushed if isinstance(body, m.Notice)]
+
+    async def submit(self, op: m.Request) -> None:
+        await self.scheduler.submit(Submit(b"c", "a", op, [b"x"]))
+
+    async def tick(self) -> tuple[m.WorkItem, ...]:
+        group = (await self.scheduler.place()).groups[0].group_id
+        items = self.scheduler.schedule(group, self.scheduler.schedule(group, None).layout).items
         await asyncio.sleep(0.01)  # the notices go out
         return items
 
-    [create] = await tick()
-    info = bios.types.BaseModelInfo(model, model, "llama", 256, 16384, 1, 2, 100_000)
-    await scheduler.update(CycleOutcome(1, (model,), (m.ItemDone(1, create.request_id, m.ModelCreated(
-        "s:train:0", info, 8, 1000), None),), aborted=False))
-    two = scheduler.planner.longest_row(model)
-    alone = scheduler.planner.plans[model].longest_row(1)
+    async def created(self) -> str:
+        await self.submit(m.CreateModel("s", 0, self.model, LoraConfig(rank=8)))
+        [create] = await self.tick()
+        info = bios.types.BaseModelInfo(self.model, self.model, "llama", 256, 16384, 1, 2, 100_000)
+        created = m.ModelCreated("s:train:0", info, 8, 1000)
+        await self.scheduler.update(CycleOutcome(1, (self.model,), (m.ItemDone(1, create.request_id, created, None),),
+                                                 aborted=False))
+        return "s:train:0"
+
+
+@pytest.fixture
+def scheduled(tmp_path):
+    cluster = _Scheduled(tmp_path)
+    yield cluster
+    cluster.store.close()
+
+
+async def test_a_row_accepted_for_more_workers_than_remain_waits_for_them(scheduled):
+    """A row split over two workers was accepted; one leaves before it runs: it waits, its client told why, and
+    runs once the group has two workers again."""
+    run, planner = await scheduled.created(), scheduled.scheduler.planner
+    two, alone = planner.longest_row(scheduled.model), planner.plans[scheduled.model].longest_row(1)
     assert alone < two  # a row of `two` tokens needs both workers
-    step = m.ForwardBackward("s:train:0", 1, [random_datum(two)], "cross_entropy")
-    await scheduler.submit(Submit(b"c", "a", step, [b"x"]))
-    gone = live.pop()
-    assert await tick() == ()  # one worker left: the row waits
-    notices = [body.message for body in pushed if isinstance(body, m.Notice)]
+    await scheduled.submit(m.ForwardBackward(run, 1, [random_datum(two)], "cross_entropy"))
+    gone = scheduled.live.pop()
+    assert await scheduled.tick() == ()  # one worker left: the row waits
+    notices = scheduled.notices()
     assert notices and f"it waits for workers: data[0] has {two} tokens" in notices[-1] and str(alone) in notices[-1]
-    assert await tick() == () and len([b for b in pushed if isinstance(b, m.Notice)]) == len(notices)  # told once
-    live.append(gone)
-    assert [type(item.op) for item in await tick()] == [m.ForwardBackward]  # two workers again: it runs
-    store.close()
+    assert await scheduled.tick() == () and scheduled.notices() == notices  # told once
+    scheduled.live.append(gone)
+    assert [type(item.op) for item in await scheduled.tick()] == [m.ForwardBackward]  # two workers: it runs
+
+
+async def test_samples_whose_caches_do_not_fit_together_are_decoded_in_separate_cycles(scheduled):
+    """Each sample's key/value cache fits a worker alone (checked at acceptance); two whose caches do not fit
+    together go in two cycles, and a third that fits beside the first goes with it (a batch's rows are as long as
+    its longest)."""
+    await scheduled.created()
+    plan = scheduled.scheduler.planner.plans[scheduled.model]
+    session = scheduled.scheduler.create_sampler("a", m.CreateSamplingSession("s", 1, base_model=scheduled.model))
+    params = bios.types.SamplingParams(max_tokens=8, stop=[])
+    three = plan.longest_sample(3) - 8  # a prompt whose 3 rows fill the cache
+
+    def sample(seq_id: int, length: int, rows: int) -> m.Sample:
+        prompt = ModelInput.from_ints(random_datum(length, seed=seq_id).model_input.to_ints())
+        return m.Sample(session.sampling_session_id, seq_id, prompt, rows, params)
+
+    for seq_id, (length, rows) in enumerate([(three, 2), (three, 2), (100, 1)]):
+        await scheduled.submit(sample(seq_id, length, rows))
+
+    async def sampled() -> list[int]:
+        return [item.op.seq_id for item in await scheduled.tick() if isinstance(item.op, m.Sample)]
+
+    assert await sampled() == [0, 2]  # 4 rows of `three` positions would not fit; 3 rows do
+    assert await sampled() == [1]

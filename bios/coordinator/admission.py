@@ -140,15 +140,15 @@ class Admission:
         self.ledger.check(sub.owner, nbytes=sub.nbytes, sampling=True)
         try:
             op = dataclasses.replace(op, prompt=_read_images(op.prompt, "prompt"))
-            limits = self._limits(sampler.base_model, infos)
+            limits = self.limits(sampler.base_model, infos)
             spec.check_sample(op.prompt, op.num_samples, op.sampling_params, limits,
                               topk_prompt_logprobs=op.topk_prompt_logprobs,
                               prompt_alt_tokens_k=op.prompt_alt_tokens_k,
                               topk_sample_logprobs=op.topk_sample_logprobs,
                               target_prompt_logprobs=op.target_prompt_logprobs)
-            new_tokens = spec.resolved_max_tokens(op.prompt.length, op.sampling_params,
-                                                  limits.max_context_length if limits is not None else None)
-            self.planner.check_sample(sampler.base_model, op.prompt.length, new_tokens, op.num_samples)
+            positions = sample_positions(op, limits)
+            self.planner.check_sample(sampler.base_model, op.prompt.length, positions - op.prompt.length,
+                                      op.num_samples)
             max_tokens = op.sampling_params.max_tokens or 1
             self.ledger.check_tokens(op.num_samples * (op.prompt.length + max_tokens), "sampling_params.max_tokens")
         except BiosAPIError as exc:
@@ -221,7 +221,7 @@ class Admission:
         if isinstance(op, m.ForwardBackward):
             data = [dataclasses.replace(datum, model_input=_read_images(datum.model_input, f"data[{i}].model_input"))
                     for i, datum in enumerate(op.data)]
-            spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self._limits(run.base_model, infos),
+            spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self.limits(run.base_model, infos),
                                op.custom_loss)
             op = dataclasses.replace(op, data=data)
             self.planner.check_rows(run.base_model, forward_rows(op))
@@ -251,9 +251,16 @@ class Admission:
             return dataclasses.replace(op, state=state)
         return op
 
-    def _limits(self, base_model: str, infos: Mapping[str, t.BaseModelInfo]) -> spec.ModelLimits | None:
+    def limits(self, base_model: str, infos: Mapping[str, t.BaseModelInfo]) -> spec.ModelLimits | None:
         """A base model's vocabulary and context: as a worker reported them, else from its config.json here."""
         return infos.get(base_model) or _config_limits(base_model)
+
+
+def sample_positions(op: m.Sample, limits: spec.ModelLimits | None) -> int:
+    """The positions each row of a sample holds in the key/value cache: its prompt and the new tokens it may
+    add (`spec.resolved_max_tokens`)."""
+    context = limits.max_context_length if limits is not None else None
+    return op.prompt.length + spec.resolved_max_tokens(op.prompt.length, op.sampling_params, context)
 
 
 def _read_images(model_input: t.ModelInput, where: str) -> t.ModelInput:

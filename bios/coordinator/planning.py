@@ -277,6 +277,21 @@ class PoolPlanner:
             f"{longest} tokens in all: shorten the prompt or max_tokens, or ask for fewer samples",
             field="sampling_params.max_tokens")
 
+    def sample_batch(self, samples: list[tuple[str, int, int]]) -> list[int]:
+        """Which of `samples` (each one's base model, positions per row, prompt and new tokens, and rows) one
+        cycle decodes together: per base model, in order, as many as a worker's key/value cache holds together,
+        every row as long as its batch's longest (`Plan.longest_sample`; each alone fit when it was accepted)."""
+        taken: list[int] = []
+        batches: dict[str, list[tuple[int, int]]] = {}
+        for index, (base_model, positions, rows) in enumerate(samples):
+            batch = [*batches.get(base_model, []), (positions, rows)]
+            plan = self.plans.get(base_model)
+            longest = plan.longest_sample(sum(r for _, r in batch)) if plan is not None else None
+            if len(batch) == 1 or longest is None or max(p for p, _ in batch) <= longest:
+                batches[base_model] = batch
+                taken.append(index)
+        return taken
+
     def descriptions(self) -> dict[str, str]:
         return {name: self.describe(name) or "" for name in self.notes}
 

@@ -27,7 +27,7 @@ from bios.exceptions import RemoteError, RequestFailedError
 from bios.security.limits import QuotaLedger, Quotas
 from bios.transport.codec import Codec
 
-from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for
+from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for, sample_positions
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
 from .disk import is_disk_full
@@ -330,9 +330,13 @@ class Scheduler(Actor):
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
         if alone is None:
-            mine = [q for q in self.samples if self.planner.placement.samples(q.op.base_model, models)]
+            waiting = [q for q in self.samples if self.planner.placement.samples(q.op.base_model, models)]
+            mine = [waiting[i] for i in self.planner.sample_batch([(q.op.base_model, sample_positions(
+                q.op, self.admission.limits(q.op.base_model, self.base_infos)), q.op.num_samples) for q in waiting])]
             items.extend(m.WorkItem(q.request_id, q.op) for q in mine)
             self.samples = [q for q in self.samples if q not in mine]
+            if len(mine) < len(waiting):  # the rest in the next cycle
+                self.on_work()
         work = CycleWork({item.request_id: item.op for item in items}, {run.model_id for run in live})
         if items:
             self.cycles[cycle_id] = work
