@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import logging
 import os
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # `kill -USR1 <pid>` writes every thread's Python stack to the log: where a stuck worker waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _import_the_worker()
     import torch
 

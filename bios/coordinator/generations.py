@@ -206,6 +206,9 @@ class GenerationFormer:
         try:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
+            log.warning("%s: generation %d not formed within %.0fs: %s never reported joining (`kill -USR1` on a "
+                        "worker logs its threads' stacks)", self.group_id, generation, RECONFIGURE_TIMEOUT_S,
+                        ", ".join(sorted(forming.waiting)))
             forming.failed |= forming.waiting
             self.abort_members(forming, generation, f"not formed within {RECONFIGURE_TIMEOUT_S:.0f}s")
         self.forming = None
