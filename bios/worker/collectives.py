@@ -105,6 +105,7 @@ class CollectiveGroup:
         self.tp_group: dist.ProcessGroup | None = None
         self.dp_group: dist.ProcessGroup | None = None
         self._client: dist.TCPStore | None = None
+        self._retired: list[Any] = []  # the last generation's groups, until `release_retired`
 
     @property
     def replicas(self) -> int:
@@ -171,6 +172,7 @@ class CollectiveGroup:
 
     def destroy(self) -> None:
         if dist.is_initialized():
+            self._retired += [g for g in (dist.group.WORLD, self.tp_group, self.dp_group) if g is not None]
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # a broken group may refuse to close cleanly; it is dropped either way
@@ -179,6 +181,16 @@ class CollectiveGroup:
         self.rank = 0
         self.tp = 1
         self.tp_group = self.dp_group = None
+
+    def release_retired(self) -> None:
+        """Let go of the last generation's groups (once nothing else points at them: `ModelPool.bind_group`) on a
+        thread of their own. A gloo group whose collective was left pending by an aborted cycle waits in its
+        destructor for that peer, until it exits or the collective times out: on the compute thread, a survivor's
+        reconfigure hung that long after it had joined the new generation (the coordinator gave the formation up
+        after 180 s)."""
+        retired, self._retired = self._retired, []
+        if retired:
+            threading.Thread(target=retired.clear, name="retired-groups", daemon=True).start()
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         if self.world > 1:

@@ -258,6 +258,7 @@ class CycleExecutor:
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
                            msg.tp, msg.epoch, msg.collective_timeout_s)
         self.pool.bind_group(self.group.tp_group)
+        self.group.release_retired()
         for held in msg.adapters:
             checkpoint = msg.restore.get(held.model_id)
             if checkpoint is not None or held.model_id not in self.pool.adapters:
