@@ -29,12 +29,6 @@ from .worker_fit import fit_workers
 
 log = logging.getLogger(__name__)
 
-
-def forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:
-    """Each row of a forward(-backward) request: its length, and whether it may be split over workers."""
-    return [(datum.model_input.length, spec.splits_rows(op.loss_fn, op.custom_loss, datum.model_input))
-            for datum in op.data]
-
 Workers = Callable[[], list[Any]]  # the live workers (membership Members: worker_id, memory_bytes, runtime_bytes, device)
 
 # Plans are sized for forward/backward passes of at least PLAN_TOKENS_PER_PASS (padded) tokens, and of up to
@@ -48,6 +42,12 @@ UNPLANNED = "replicate (not planned: the coordinator cannot read its config.json
 # and a replica moves between groups at most once every MOVE_INTERVAL_S.
 DEMAND_WINDOW_S = 60.0
 MOVE_INTERVAL_S = 30.0
+
+
+def forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:
+    """Each row of a forward(-backward) request: its length, and whether it may be split over workers."""
+    return [(datum.model_input.length, spec.splits_rows(op.loss_fn, op.custom_loss, datum.model_input))
+            for datum in op.data]
 
 
 @dataclass(frozen=True)

@@ -364,8 +364,8 @@ def _activation_bytes(
     dense = _saved_per_token_layer(shape, rank, dtype, tp, fused) * tokens * _ACTIVATION_FRAGMENTATION
     moe = _saved_per_token_layer(shape, rank, dtype, tp, fused, moe=True) * tokens * _ACTIVATION_FRAGMENTATION
     # One layer's backward: gradients of its I-sized and H-sized activations while its saved ones are live.
-    dense_width = shape.intermediate_size / tp
-    width = max(dense_width, shape.experts_per_token * shape.expert_intermediate_size)
+    dense_width, experts_width = shape.intermediate_size / tp, shape.experts_per_token * shape.expert_intermediate_size
+    width = max(dense_width, experts_width)
     backward = tokens * (3 * width + 3 * shape.hidden_size) * _FP32
     vision = shape.vision.activation_bytes(tokens, _DTYPE_BYTES[dtype]) if shape.vision is not None else 0
     if not checkpointing:
@@ -375,8 +375,7 @@ def _activation_bytes(
         # the recomputed dense layer keeps its MLP's [tokens, intermediate] tensors, and their gradients, for one
         # chunk only (a MoE layer's experts are not chunked)
         dense -= _mlp_per_token(shape, dtype, tp, fused) * _ACTIVATION_FRAGMENTATION * (tokens - mlp_chunk)
-        experts = shape.experts_per_token * shape.expert_intermediate_size
-        backward = (tokens * (3 * experts + 3 * shape.hidden_size) + mlp_chunk * 3 * dense_width) * _FP32
+        backward = (tokens * (3 * experts_width + 3 * shape.hidden_size) + mlp_chunk * 3 * dense_width) * _FP32
     return int(kept + max(dense, moe if shape.moe_layers else 0) + backward + vision)
 
 

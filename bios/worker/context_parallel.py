@@ -9,9 +9,9 @@ loss is its positions' share; the cycle's gradient sum over replicas then adds t
 a batch.
 
 On CPU, attention runs Bios's interval kernel: this replica's queries, each over the whole row's keys up to its
-position, the same kernel and the same arithmetic per query as one worker running the whole row. Elsewhere (CUDA) each chunk's queries attend over the keys up to the
-chunk's end by SDPA with a lower-right causal bias. Bios's attention (`bios.worker.attention`) asks `current()`
-at each call.
+position, the same kernel and the same arithmetic per query as one worker running the whole row. Elsewhere
+(CUDA) each chunk's queries attend over the keys up to the chunk's end by SDPA with a lower-right causal bias.
+Bios's attention (`bios.worker.attention`) asks `current()` at each call.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ _EXTRAS = ("softcap", "s_aux", "position_bias", "sinks")
 # The interval kernel runs each block of queries against all its keys: past ~10k keys in a row they no longer stay
 # in cache, and PyTorch's CPU flash attention, which tiles the keys, is faster. One causal row, 4 query heads over
 # 2, head 64, forward and backward on 2 threads (AMD EPYC): 8k keys 0.80 s vs 0.89 s, 12k 2.8 vs 1.8 s, 16k 6.1 vs
-# 3.3 s. Longer causal rows without a mask go to SDPA (a split row's share has no such choice: SDPA would need a
-# materialized mask).
+# 3.3 s. Longer calls without a mask (a causal row) go to SDPA (a split row's share has no such choice: SDPA would
+# need a materialized mask).
 SDPA_FROM_KEYS = 10240
 
 
@@ -59,7 +59,7 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     if query.shape[2] == 1 and low_precision and not dropout and (attention_mask is None or attention_mask.dim() == 4):
         return decode_step_attention(query, key, value, attention_mask, scaling), None
     intervals = None if dropout or not interval_attention.suits(query, key, value) \
-        or _long_causal_row(attention_mask, key) else \
+        or _long_mask_free_call(attention_mask, key) else \
         _intervals(module, attention_mask, query.shape[0], query.shape[2], kwargs)
     if intervals is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -74,7 +74,7 @@ def cpu_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     return output.to(query.dtype), None
 
 
-def _long_causal_row(attention_mask: Tensor | None, key: Tensor) -> bool:
+def _long_mask_free_call(attention_mask: Tensor | None, key: Tensor) -> bool:
     """A mask-free call over more keys than the interval kernel runs fastest (`SDPA_FROM_KEYS`)."""
     return attention_mask is None and key.shape[2] >= SDPA_FROM_KEYS
 
@@ -106,7 +106,7 @@ def stacked_cpu_attention(module: nn.Module, qkv: Tensor, heads: int, kv_heads: 
         return None
     query, key, value = (part.transpose(1, 2) for part in interval_attention.split_stacked(qkv, heads, kv_heads))
     if not interval_attention.rope_tables_fit(qkv, query.shape[-1], cos, sin) \
-            or not interval_attention.suits(query, key, value) or _long_causal_row(attention_mask, key):
+            or not interval_attention.suits(query, key, value) or _long_mask_free_call(attention_mask, key):
         return None
     intervals = _intervals(module, attention_mask, qkv.shape[0], qkv.shape[1], kwargs)
     if intervals is None:

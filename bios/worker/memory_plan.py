@@ -133,8 +133,16 @@ def _trim_heap() -> None:
     """Give the heap's free pages back after a long row's pass. Its tensors, freed, leave holes that the next
     long pass's differently sized ones fit badly: a 8.9k-token row's peak RSS crept 743 -> 876 MiB over seven
     passes, and stays at 725 MiB with this (glibc's `malloc_trim` also releases free pages inside the heap)."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's `malloc_trim`, None elsewhere (musl, macOS)."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim
+    return None
 
 
 @functools.cache
