@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import BASE, text_datum
 
@@ -110,3 +112,86 @@ async def test_a_base_model_only_samples_use_gets_a_group_and_is_let_go_once_idl
     monkeypatch.setattr("bios.coordinator.planning.DEMAND_WINDOW_S", 0.0)
     assert (await scheduler.place()).group_of_model(BASE) is None  # idle: its workers are free again
     store.close()
+
+
+async def test_a_big_batch_beside_a_small_run_is_cut_over_cycles_and_answered_once(tick, monkeypatch):
+    """A 16-row batch beside a 1-row run runs in four cycles of 4 rows (bios.coordinator.cycle_share), each with
+    the small run's next step, once a whole one took 100x a short cycle; it is answered once, whole; an abort or
+    a new generation starts it again."""
+    scheduler, group_id, pushed = tick
+    small = "s:train:1"
+    await scheduler.submit(Submit(b"client", "a", m.CreateModel("s", 1, BASE, types.LoraConfig(rank=4)), [b"x"]))
+    layout = scheduler.schedule(group_id, None).layout
+    plan = scheduler.schedule(group_id, layout)
+    await scheduler.update(_done(plan, [m.ItemDone(plan.cycle_id, i.request_id, m.ModelCreated(i.op.target, INFO, 4, 1),
+                                                   None) for i in plan.items], aborted=False))
+    assert {run.status for run in scheduler.runs.values()} == {"ready"}
+    pushed.clear()
+    big = m.ForwardBackward(RUN, 1, [text_datum(f"row {i}") for i in range(16)], "cross_entropy")
+
+    async def small_step(seq: int) -> None:
+        await scheduler.submit(Submit(b"client", "a", m.ForwardBackward(small, seq, [text_datum("one")],
+                                                                        "cross_entropy"), [b"x"]))
+
+    def cycle() -> tuple:
+        plan = scheduler.schedule(group_id, layout)
+        parts = [(i.part, len(i.op.data)) for i in plan.items if i.op.target == RUN]
+        return plan, parts, [i for i in plan.items if i.last_part]
+
+    async def commit(plan, finished, seconds: float = 0.5) -> None:
+        results = [m.ItemDone(plan.cycle_id, i.request_id, types.ForwardBackwardOutput("ArrayRecord", [], {}), None)
+                   for i in finished]
+        await scheduler.update(_done(plan, results, aborted=False, seconds=seconds))
+
+    await small_step(1)
+    plan, parts, finished = cycle()
+    await commit(plan, finished, seconds=0.01)  # a cycle's fixed cost, about
+    await scheduler.submit(Submit(b"client", "a", big, [b"x"]))
+    await small_step(2)
+    plan, parts, finished = cycle()
+    assert parts == [(None, 16)]  # how long it takes whole is not known yet
+    await commit(plan, finished, seconds=1.0)  # 100x the short one: four parts cost 3% more
+
+    await scheduler.submit(Submit(b"client", "a", dataclasses.replace(big, seq_id=2), [b"x"]))
+    await small_step(3)
+    plan, parts, finished = cycle()
+    assert parts == [((0, 16), 4)] and [i.op.target for i in finished] == [small]
+    answered = len(pushed)
+    await commit(plan, finished)
+    assert len(pushed) == answered + 1  # the small step's answer; the big batch has three parts to go
+    await small_step(4)
+    plan, parts, _ = cycle()
+    assert parts == [((4, 16), 4)]
+    await scheduler.update(_done(plan, [], aborted=True))  # its pending parts are gone: it starts again
+    for seq, start in ((5, 0), (6, 4), (7, 8)):
+        plan, parts, finished = cycle()
+        assert parts == [((start, 16), 4)]
+        await commit(plan, finished)
+        await small_step(seq)
+    scheduler.formed(group_id, layout.workers, layout.models, {})  # a new generation: pending gradients discarded
+    for start in (0, 4, 8, 12):
+        plan, parts, finished = cycle()
+        assert parts == [((start, 16), 4)]
+        await commit(plan, finished)
+    assert pushed.count("RequestDone") == 7 + 2 and scheduler.runs[RUN].queue == {}  # 7 small steps, 2 big: once
+
+    monkeypatch.setattr("bios.coordinator.cycle_share.ACTIVE_S", 0.0)  # the small run went quiet
+    await scheduler.submit(Submit(b"client", "a", dataclasses.replace(big, seq_id=3), [b"x"]))
+    assert cycle()[1] == [(None, 16)]  # nobody to wait for it: whole
+
+
+def test_a_request_is_cut_only_as_far_as_the_added_cycles_cost_little():
+    from bios.coordinator.cycle_share import CycleCosts, rows_per_cycle
+
+    costs = CycleCosts()
+    assert costs.parts("big") == 1  # nothing measured
+    costs.ran(0.04, {"small"})
+    costs.ran(0.34, {"big"})  # a CPU and a tiny model: a cycle's fixed cost is an eighth of the 64-row one
+    assert costs.parts("big") == 1
+    costs.ran(3.0, {"big"})  # a pass of seconds (a GPU, a real model): cut into four
+    assert costs.parts("big") == 4
+    assert rows_per_cycle(64, 64 * 128, [128], replicas=4, parts=4) == 16
+    assert rows_per_cycle(64, 64 * 128, [16 * 128], replicas=4, parts=4) is None  # 4x the other's batch: whole
+    assert rows_per_cycle(64, 64 * 128, [], replicas=4, parts=4) is None  # nobody waits for it
+    assert rows_per_cycle(4, 4 * 128, [1], replicas=4, parts=4) is None  # a row per replica already: whole
+    assert rows_per_cycle(6, 6 * 128, [1], replicas=4, parts=4) == 4  # at least a row per replica a part

@@ -139,10 +139,11 @@ class CycleRunner:
         cycle = _Cycle(
             cycle_id=plan.cycle_id,
             workers={mb.worker_id for mb in members},
-            expected={item.request_id for item in items},
+            expected={item.request_id for item in items if item.last_part},  # a part more cycles continue: silent
             ops={item.request_id: item.op for item in items},
             waiting={mb.worker_id for mb in members},
         )
+        cut = any(item.part is not None for item in items)
         self.current = cycle
         self.roster.occupy(self.group_id, list(cycle.workers))
         started = time.monotonic()
@@ -162,13 +163,15 @@ class CycleRunner:
         why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
         self.scheduler.tell(Scheduler.update, CycleOutcome(
             cycle.cycle_id, self.generations.layout.models, tuple(cycle.results.values()), cycle.aborted,
-            cycle.worker_died, stalled, why, committed))
+            cycle.worker_died, stalled, why, committed, duration))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again (%s%s)", cycle.cycle_id,
                         len(cycle.expected - cycle.results.keys()), len(cycle.expected),
                         "every member alive: " if stalled else "", why)
             if cycle.collective_failed:
                 self.generations.rebuild("a collective failed; the group is rebuilt")
+            elif cut:  # the parts' gradients still pending on the members go: the request starts again
+                self.generations.rebuild("a cycle with part of a request cut over cycles aborted")
             self.clock.work_queued()
 
     def leaving(self, member: Member) -> None:
@@ -214,7 +217,7 @@ class CycleRunner:
         if cycle is None or done.cycle_id != cycle.cycle_id or worker_id not in cycle.workers:
             log.debug("dropped a late result for %s", done.request_id)
             return
-        if done.request_id in cycle.expected and done.request_id not in cycle.results:
+        if done.request_id in cycle.ops and done.request_id not in cycle.results:  # (a part's only if it failed)
             cycle.results[done.request_id] = done
             op = cycle.ops.get(done.request_id)
             if isinstance(op, m.SaveWeights) and op.kind == "sampler_weights" and done.error is None:
@@ -260,7 +263,7 @@ class CycleRunner:
 
     def _maybe_done(self, cycle: _Cycle) -> None:
         if not cycle.waiting:
-            cycle.aborted = cycle.aborted or cycle.results.keys() != cycle.expected
+            cycle.aborted = cycle.aborted or not cycle.expected <= cycle.results.keys()
             cycle.done.set()
 
     async def _probe_others(self, cycle: _Cycle) -> None:

@@ -18,8 +18,9 @@ from .runs import Queued, Run
 class CycleWork:
     """What the scheduler keeps of one running cycle: its items' ops and the runs it took work from."""
 
-    ops: dict[str, m.Request]  # request id -> op
+    ops: dict[str, m.Request]  # request id -> op (of a part of a request cut over cycles: its rows only)
     runs: set[str]  # model ids
+    whole: dict[str, m.Request] = field(default_factory=dict)  # request id -> the whole op, of its last part
 
 
 @dataclass
@@ -44,7 +45,7 @@ def requeue(work: CycleWork, outcome: CycleOutcome, runs: dict[str, Run], budget
     finished = outcome.finished
     for run in (runs[model_id] for model_id in work.runs if model_id in runs):
         if not outcome.aborted:
-            run.cycle_committed()
+            run.cycle_committed(finished)
             continue
         returned = run.cycle_aborted(set(finished), worker_died=outcome.worker_died, stalled=outcome.stalled)
         for queued in returned.given_up:

@@ -26,6 +26,21 @@ class Queued:
     queued_at: float = field(default_factory=time.monotonic)
     deaths: int = 0  # cycles that aborted because a worker died while running this request
     stalls: int = 0  # cycles that aborted with every worker alive (a collective timed out) while running it
+    # A forward request cut over cycles (`bios.coordinator.cycle_share`): rows its committed parts ran (their
+    # gradient pending on the workers), and rows the running cycle takes (0: it runs whole)
+    done_rows: int = 0
+    part_rows: int = 0
+
+    def work_item(self) -> m.WorkItem:
+        """What a cycle runs of this request: all of it, or the rows of its part."""
+        if not self.part_rows:
+            return m.WorkItem(self.request_id, self.op)
+        rows = self.op.data[self.done_rows:self.done_rows + self.part_rows]
+        return m.WorkItem(self.request_id, dataclasses.replace(self.op, data=rows), (self.done_rows, len(self.op.data)))
+
+    def restart(self) -> None:
+        """Its parts so far are gone with the workers' pending gradients (a cycle aborted, a generation formed)."""
+        self.done_rows = self.part_rows = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,8 @@ class Run:
     optimizer: t.OptimizerName = "adamw"  # chosen at creation
     lora_targets: list[t.LoraTargetGroup] | None = None  # what its adapter trains, as the worker created it
     held: str | None = None  # why its next request waits although it could run (its group shrank under it)
+    batch_tokens: int = 0  # tokens of the last forward request a cycle took: how big its batches are
+    taken_at: float = float("-inf")  # when a cycle last took its work
 
     def describe(self, memory_plan: str | None, longest_row: int | None = None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base
@@ -115,20 +132,48 @@ class Run:
         head = self.queue.get(self.next_seq)
         return head is not None and head.stalls > 0
 
-    def take_cycle(self, hold: Callable[[Queued], str | None] = lambda queued: None) -> list[Queued]:
+    def head(self) -> Queued | None:
+        """The request it runs next, if it has come."""
+        return self.queue.get(self.next_seq)
+
+    def batch_size(self) -> int:
+        """Tokens of its batches: its next forward request's, else its last one's."""
+        head = self.head()
+        waiting = tokens_of(head.op, None) if head is not None and not head.rejected else 0
+        return waiting or self.batch_tokens
+
+    def active(self, since: float) -> bool:
+        """Whether it has work now, or a cycle took its work after `since` (its client is between two calls)."""
+        return self.ready() or self.taken_at > since
+
+    def take_cycle(self, hold: Callable[[Queued], str | None] = lambda queued: None,
+                   most_rows: int | None = None) -> list[Queued]:
         """This cycle's share: forward work in order, up to and including the first other op; it stops before a
         request `hold` says must wait (why: kept in `held`, which the scheduler clears when the placement
-        changes)."""
+        changes). A forward request of more than `most_rows` rows runs a part of that many rows, alone, and stays
+        at the head of the queue until a cycle takes its last part."""
         taken: list[Queued] = []
         while self.next_seq in self.queue and self.held is None:
             head = self.queue[self.next_seq]
             if not head.rejected and (why := hold(head)) is not None:
                 self.held = why
                 break
+            if not head.rejected and isinstance(head.op, m.FORWARD_TYPES):
+                if not head.done_rows:
+                    self.batch_tokens = tokens_of(head.op, None)
+                left = len(head.op.data) - head.done_rows
+                if most_rows is not None and left > most_rows:  # a part that more cycles continue
+                    if not taken:
+                        head.part_rows = most_rows
+                        self.in_flight.append((self.next_seq, head))
+                        self.taken_at = time.monotonic()
+                        taken.append(head)
+                    break
+                head.part_rows = left if head.done_rows else 0  # its last part, or all of it
             item = self.queue.pop(self.next_seq)
             self.in_flight.append((self.next_seq, item))
             self.next_seq += 1
-            self.progressed_at = time.monotonic()
+            self.progressed_at = self.taken_at = time.monotonic()
             if item.rejected:
                 continue
             taken.append(item)
@@ -162,8 +207,25 @@ class Run:
             del self.queue[passed]
         return queued
 
-    def cycle_committed(self) -> None:
+    def cycle_committed(self, finished: frozenset[str] | set[str] = frozenset()) -> None:
+        """Its work in a committed cycle is done; a part that more cycles continue moves on (or, if it failed:
+        it reported, which such a part only does on failure, the request ends)."""
+        for seq_id, item in self.in_flight:
+            if self.queue.get(seq_id) is not item:
+                continue
+            if item.request_id in finished:
+                del self.queue[seq_id]
+                self.next_seq = max(self.next_seq, seq_id + 1)
+            else:
+                item.done_rows += item.part_rows
+            item.part_rows = 0
         self.in_flight.clear()
+
+    def restart_cut(self) -> None:
+        """A new generation discarded the workers' pending gradients: a request cut over cycles starts again."""
+        head = self.head()
+        if head is not None:
+            head.restart()
 
     def cycle_aborted(self, finished: set[str], *, worker_died: bool = False, stalled: bool = False,
                       max_deaths: int = 2) -> Returned:
@@ -176,7 +238,11 @@ class Run:
         """
         returned = Returned([], [])
         for seq_id, item in self.in_flight:
+            item.restart()  # a request cut over cycles: its pending parts are discarded on the workers
             if item.request_id in finished:
+                if self.queue.get(seq_id) is item:  # a part that failed: the request ended with its error
+                    del self.queue[seq_id]
+                    self.next_seq = max(self.next_seq, seq_id + 1)
                 continue
             if (worker_died or stalled) and not item.rejected:
                 item.deaths += worker_died

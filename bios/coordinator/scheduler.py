@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ from bios.transport.codec import Codec
 from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for, sample_positions
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
+from .cycle_share import CycleCosts, most_rows
 from .disk import is_disk_full
 from .exchange import CycleOutcome, CyclePlan, GroupLayout
 from .metrics import CoordinatorMetrics
@@ -80,6 +82,7 @@ class Scheduler(Actor):
         self.committed: dict[str, float] = {}  # each adapter's checksum after its group's last commit
         self.base_infos: dict[str, t.BaseModelInfo] = {}
         self._cycle_ids = itertools.count(1)  # one numbering for every group's cycles
+        self.costs: dict[tuple[str, ...], CycleCosts] = {}  # each group's (by its base models) recent cycles
 
     async def started(self) -> None:
         """Carry on where the state dir says the last coordinator stopped."""
@@ -151,12 +154,16 @@ class Scheduler(Actor):
         if not layout.same_shape(formed):
             return CyclePlan(layout, adapters)
         cycle_id = next(self._cycle_ids)
-        return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models)))
+        return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models, group.replicas)))
 
     async def update(self, outcome: CycleOutcome) -> None:
         """A cycle ended: record its results (automatic checkpoints first), its adapters' checksums, then answer
         its requests and requeue what it did not finish."""
         work = self.cycles.pop(outcome.cycle_id, CycleWork({}, set()))
+        if not outcome.aborted and any(isinstance(op, m.FORWARD_TYPES) for op in work.ops.values()):
+            self.costs.setdefault(outcome.models, CycleCosts()).ran(outcome.seconds, {
+                op.target for request_id, op in work.ops.items()
+                if isinstance(op, m.FORWARD_TYPES) and request_id not in work.whole})
         answers = [answer for done in outcome.results if (answer := await self._finished(work, done)) is not None]
         self._committed(outcome.models, outcome.committed)
         await self._answer(work, answers)
@@ -167,6 +174,9 @@ class Scheduler(Actor):
         """Group `group_id` formed a generation of `workers` (in rank order) holding its adapters as `checksums`."""
         self.planner.placement = self.planner.placement.formed(group_id, workers)
         self._committed(models, checksums)
+        for run in self.runs.values():
+            if run.base_model in models:  # the members discarded their pending gradients
+                run.restart_cut()
 
     async def recovered(self, results: tuple[m.ItemDone, ...]) -> None:
         """Record what a worker reports of a committed cycle this coordinator's log stops just before."""
@@ -318,15 +328,23 @@ class Scheduler(Actor):
         self.committed.update(checksums)
         self.store.set_committed(dict(self.committed))
 
-    def _select(self, cycle_id: int, models: tuple[str, ...]) -> list[m.WorkItem]:
-        """The next share of every run of the group's base models, and their samples; but a run whose last
-        cycle stalled runs alone (`runs_alone`)."""
+    def _select(self, cycle_id: int, models: tuple[str, ...], replicas: int) -> list[m.WorkItem]:
+        """The next share of every run of the group's base models (a part of a big request beside smaller runs,
+        `cycle_share`), and their samples; but a run whose last cycle stalled runs alone (`runs_alone`)."""
         items: list[m.WorkItem] = []
+        whole: dict[str, m.Request] = {}
         live = [run for run in self.runs.values() if run.status != "lost" and run.base_model in models]
         alone = next((run for run in live if run.runs_alone()), None)
+        now = time.monotonic()
         for run in [alone] if alone is not None else live:
-            taken = run.take_cycle(partial(self._hold, run))
-            items.extend(m.WorkItem(q.request_id, q.op) for q in taken)
+            most = most_rows(run, live, replicas, now, self.costs.setdefault(models, CycleCosts())) \
+                if alone is None else None
+            taken = run.take_cycle(partial(self._hold, run), most)
+            if taken and taken[0].part_rows and not taken[0].done_rows:
+                log.info("%s: its %d-row batch runs in parts of %d rows, so the group's smaller runs step meanwhile",
+                         run.model_id, len(taken[0].op.data), most)
+            items.extend(q.work_item() for q in taken)
+            whole.update((q.request_id, q.op) for q in taken if q.part_rows)
             if taken and isinstance(taken[-1].op, m.OptimStep):
                 items.extend(self.autosave.after_step(run.model_id))
         if alone is None:
@@ -337,7 +355,7 @@ class Scheduler(Actor):
             self.samples = [q for q in self.samples if q not in mine]
             if len(mine) < len(waiting):  # the rest in the next cycle
                 self.on_work()
-        work = CycleWork({item.request_id: item.op for item in items}, {run.model_id for run in live})
+        work = CycleWork({item.request_id: item.op for item in items}, {run.model_id for run in live}, whole)
         if items:
             self.cycles[cycle_id] = work
         self.results.timeline.taken(work.ops)
@@ -380,8 +398,8 @@ class Scheduler(Actor):
     async def _answer(self, work: CycleWork, answers: list[m.ItemDone]) -> None:
         """Log and push the answers of a cycle that ended (in the order they were reported)."""
         for done in answers:
-            await self.results.deliver(done.request_id, work.ops.get(done.request_id), done.result, done.error,
-                                       done.cycle_id)
+            op = work.whole.get(done.request_id, work.ops.get(done.request_id))
+            await self.results.deliver(done.request_id, op, done.result, done.error, done.cycle_id)
 
     def _owner_of(self, model_id: str) -> str:
         run = self.runs.get(model_id)

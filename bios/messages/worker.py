@@ -52,8 +52,19 @@ class WorkerHeartbeat:
 
 @dataclass(frozen=True)
 class WorkItem:
+    """A request of a cycle. `part` (rows before these, rows in all): the op holds only some rows of a forward
+    request cut over several cycles (`bios.coordinator.cycle_share`); until its last part the gradient stays
+    pending on the workers (nothing is summed or committed) and nothing is reported, and the last part reports the
+    whole request's output."""
+
     request_id: str
     op: Request
+    part: tuple[int, int] | None = None
+
+    @property
+    def last_part(self) -> bool:
+        """Whether this item ends its request (always, unless it is a part that more cycles continue)."""
+        return self.part is None or self.part[0] + len(self.op.data) >= self.part[1]
 
 
 @dataclass(frozen=True)

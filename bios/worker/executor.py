@@ -81,6 +81,9 @@ class CycleExecutor:
         self.pool = pool
         self.group = group
         self.prepacked = PrepackedWeights()  # the sampler's weight copies, kept across cycles that only sample
+        # The outputs of the parts run so far of each forward request cut over cycles (`WorkItem.part`): its last
+        # part reports them all, with theirs still pending in the adapter's gradient. A new generation drops them.
+        self.parts: dict[str, list[t.ForwardBackwardOutput]] = {}
 
     def run(self, cycle: m.RunCycle, report: Report) -> CycleOutcome:
         self.seconds: dict[str, float] = {}
@@ -135,9 +138,11 @@ class CycleExecutor:
             if failure is not None:
                 _discard(adapter for _, adapter in batch)
                 for item, _ in batch:
+                    self.parts.pop(item.request_id, None)
                     report(m.ItemDone(cycle_id, item.request_id, error=failure))
                 continue
-            training = sorted({a.state.model_id for it, a in batch if not it.op.forward_only})
+            # A part that more cycles continue leaves its gradient pending: summed and committed with its last part
+            training = sorted({a.state.model_id for it, a in batch if not it.op.forward_only and it.last_part})
             norms = self._sum_and_commit([a for _, a in batch], training)
             self.seconds["allreduce"] = time.perf_counter() - mark
             touched.update(training)
@@ -145,6 +150,11 @@ class CycleExecutor:
                 split = {datum: [p[1][index, datum] for p in parts] for i, datum in parts[0][1] if i == index}
                 output = split_rows.with_split_rows(_merge([p[0][index] for p in parts]), split,
                                                     {d: item.op.data[d].model_input.length for d in split})
+                if item.part is not None:
+                    self.parts.setdefault(item.request_id, []).append(output)
+                    if not item.last_part:
+                        continue
+                    output = _merge(self.parts.pop(item.request_id))
                 if not item.op.forward_only:
                     output.metrics["grad_norm:max"] = norms[adapter.state.model_id]
                 report(m.ItemDone(cycle_id, item.request_id, result=output))
@@ -161,6 +171,9 @@ class CycleExecutor:
                 engine.check_item(op.data, op.loss_fn, op.loss_fn_config, op.custom_loss,
                                   engine.model_limits(adapter.base.model, adapter.base.info))
             except Exception as exc:
+                held = self.pool.adapters.get(op.model_id)
+                if self.parts.pop(item.request_id, None) is not None and held is not None:
+                    held.discard()  # a request cut over cycles: its earlier parts' pending gradient goes too
                 report(_failed(cycle_id, item, exc))
                 continue
             batches.setdefault(adapter.base_model, []).append((item, adapter))
@@ -254,6 +267,7 @@ class CycleExecutor:
             raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
         for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
             del self.pool.adapters[model_id]
+        self.parts.clear()  # requests cut over cycles start again: their pending gradients are discarded below
         self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
                            msg.tp, msg.epoch, msg.collective_timeout_s)
