@@ -41,7 +41,7 @@ UNPLANNED = "replicate (not planned: the coordinator cannot read its config.json
 # Replicas follow the work of the last DEMAND_WINDOW_S (tokens a model's cycles ran, plus what its queues hold),
 # and a replica moves between groups at most once every MOVE_INTERVAL_S.
 DEMAND_WINDOW_S = 60.0
-MOVE_INTERVAL_S = 30.0
+MOVE_INTERVAL_S = 10.0
 
 
 def forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:

@@ -183,7 +183,8 @@ class Run:
 
     def stalled(self, older_than_s: float) -> str | None:
         """Why this run's queue has made no progress for `older_than_s`, if it has not (None otherwise)."""
-        waiting = [q for q in self.queue.values() if not q.rejected]
+        # (a request cut over cycles whose parts are running is not waiting)
+        waiting = [q for q in self.queue.values() if not q.rejected and not (q.done_rows or q.part_rows)]
         if not waiting:
             return None
         age = time.monotonic() - min(q.queued_at for q in waiting)
