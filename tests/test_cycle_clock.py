@@ -63,3 +63,10 @@ def test_work_queued_during_a_cycle_starts_the_next_at_once(monkeypatch):
 def test_a_negative_cycle_length_is_refused():
     with pytest.raises(ValueError, match="cycle_s must be >= 0"):
         CycleClock(-1)
+
+
+def test_a_cycle_holds_a_grid_clocks_group_until_the_next_tick():
+    """What a cut request's added cycles cost (bios.coordinator.cycle_share): on a grid, a whole tick each."""
+    assert CycleClock(0).held_for(0.04) == 0.04  # back to back: its own time
+    assert CycleClock(10).held_for(0.04) == 10
+    assert CycleClock(10).held_for(25) == 30

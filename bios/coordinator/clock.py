@@ -10,6 +10,7 @@ whole cycle later.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 # Back-to-back cycles: after work arrives at an idle clock, the cycle waits while more arrives at most
@@ -55,6 +56,12 @@ class CycleClock:
             await asyncio.sleep(BURST_GAP_S)
             if self._arrivals == seen:
                 return
+
+    def held_for(self, duration_s: float) -> float:
+        """How long a cycle that ran `duration_s` holds the group: on a grid, until the next tick after it."""
+        if self.cycle_s <= 0:
+            return duration_s
+        return max(1, math.ceil(duration_s / self.cycle_s)) * self.cycle_s
 
     def cycle_ran(self, duration_s: float) -> None:
         self.cycles_run += 1

@@ -8,7 +8,9 @@ part and answer it whole (`bios.messages.WorkItem.part`), so it trains exactly a
 aside); the small runs step once per part. Each added cycle costs about a cycle's fixed cost (the group's
 shortest recent cycle), so a request is cut only as far as those costs stay within CUT_COST of the cycle that ran
 it whole: on a GPU, where a big batch's pass takes seconds, into MAX_PARTS; on a CPU with a tiny model, where a
-one-row cycle costs a seventh of a 64-row one, not at all.
+one-row cycle costs a seventh of a 64-row one, not at all. On a grid clock (`--cycle-s`) every cycle holds the
+group until the next tick (`CycleClock.held_for`), so a part costs a whole tick: a request is cut there only
+when it takes 20 ticks or more.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class CycleRunner:
         why = "; ".join(dict.fromkeys(cycle.reasons)) or "a member was lost"
         self.scheduler.tell(Scheduler.update, CycleOutcome(
             cycle.cycle_id, self.generations.layout.models, tuple(cycle.results.values()), cycle.aborted,
-            cycle.worker_died, stalled, why, committed, duration))
+            cycle.worker_died, stalled, why, committed, self.clock.held_for(duration)))
         if cycle.aborted:
             log.warning("cycle %d aborted: %d of %d items will run again (%s%s)", cycle.cycle_id,
                         len(cycle.expected - cycle.results.keys()), len(cycle.expected),

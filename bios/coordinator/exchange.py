@@ -49,7 +49,7 @@ class CycleOutcome:
     stalled: bool = False  # aborted with every member alive: a collective timed out (or a member's part failed)
     why: str = ""  # what the members said when they aborted it
     committed: dict[str, float] = field(default_factory=dict)  # the group's adapters' checksums after it
-    seconds: float = 0.0  # how long it ran on the workers
+    seconds: float = 0.0  # how long it held the group (on a grid clock, until the next tick: `held_for`)
 
     @property
     def finished(self) -> frozenset[str]:
