@@ -173,6 +173,18 @@ def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused
         peak = _peak_rss(cluster.workers[0].pid)
         assert peak < LIMIT, f"peak RSS {peak / MiB:.0f} MiB over the {LIMIT / MiB:.0f} MiB budget"
         assert tc.optim_step(bios.types.AdamParams(learning_rate=1e-3)).result(60).metrics["step:max"] == 1
+        # A forward-only request builds no graph: its rows run longer than a trained one (to the context here).
+        # A causal model's log-probs at a row's first positions do not depend on what follows: they are those of
+        # the row cut where the trained rows end.
+        assert tc.get_info().longest_row == longest  # (what get_info shows is the trained rows' limit)
+        beyond = 3 * longest // 2
+        with pytest.raises(BadRequestError, match=f"at most {longest} tokens"):
+            tc.forward_backward([random_datum(beyond, seed=3)]).result(60)
+        whole = tc.forward([random_datum(beyond, seed=3)]).result(600).loss_fn_outputs[0]["logprobs"].to_numpy()
+        cut = tc.forward([random_datum(longest, seed=3)]).result(600).loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(whole[:longest], cut, atol=1e-4)
+        peak = _peak_rss(cluster.workers[0].pid)
+        assert peak < LIMIT, f"peak RSS {peak / MiB:.0f} MiB over the {LIMIT / MiB:.0f} MiB budget"
 
 
 @pytest.fixture(scope="module")

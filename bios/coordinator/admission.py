@@ -224,7 +224,7 @@ class Admission:
             spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self.limits(run.base_model, infos),
                                op.custom_loss)
             op = dataclasses.replace(op, data=data)
-            self.planner.check_rows(run.base_model, forward_rows(op))
+            self.planner.check_rows(run.base_model, forward_rows(op), forward_only=op.forward_only)
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
             return op
         elif isinstance(op, m.OptimStep):

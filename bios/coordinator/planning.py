@@ -225,11 +225,14 @@ class PoolPlanner:
         shown = dataclasses.replace(plan, replicas=group.replicas) if group is not None else plan
         return shown.describe() + (" (halved after a worker died)" if base_model in self.halved else "")
 
-    def longest_row(self, base_model: str, *, splits: bool = True) -> int | None:
+    def longest_row(self, base_model: str, *, splits: bool = True, forward_only: bool = False) -> int | None:
         """The longest row (tokens) `base_model`'s group trains: split over its replicas (`splits`: its loss
-        allows, `spec.splits_rows`; no tensor parallelism), else on one worker. None: not planned."""
+        allows, `spec.splits_rows`; no tensor parallelism), else on one worker; `forward_only`: or runs forward
+        only, alone on one worker. None: not planned."""
         plan = self.plans.get(base_model)
-        return plan.longest_row(self._split_over(base_model) if splits else 1) if plan is not None else None
+        if plan is None:
+            return None
+        return plan.longest_row(self._split_over(base_model) if splits else 1, forward_only=forward_only)
 
     def _split_over(self, base_model: str) -> int:
         """How many workers a long row of `base_model` is split over: its group's replicas, without tensor
@@ -240,25 +243,28 @@ class PoolPlanner:
     def longest_rows(self) -> dict[str, int]:
         return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
 
-    def check_rows(self, base_model: str, rows: list[tuple[int, bool]]) -> None:
+    def check_rows(self, base_model: str, rows: list[tuple[int, bool]], *, forward_only: bool = False) -> None:
         """BadRequestError naming the first row longer than `base_model`'s group holds (`too_long`): it would run
         a worker out of memory."""
-        if (found := self.too_long(base_model, rows)) is not None:
+        if (found := self.too_long(base_model, rows, forward_only=forward_only)) is not None:
             index, why = found
             raise BadRequestError(f"{why}; shorten or split the row, or add workers or memory",
                                   field=f"data[{index}].model_input")
 
-    def too_long(self, base_model: str, rows: list[tuple[int, bool]]) -> tuple[int, str] | None:
+    def too_long(self, base_model: str, rows: list[tuple[int, bool]], *,
+                 forward_only: bool = False) -> tuple[int, str] | None:
         """The first row longer than `base_model`'s group holds now (`longest_row`; `rows`: each one's length and
-        whether it may split, `forward_rows`), with why; None when every row fits."""
+        whether it may split, `forward_rows`; `forward_only`: a request that trains nothing), with why; None when
+        every row fits."""
         for index, (length, splits) in enumerate(rows):
-            longest = self.longest_row(base_model, splits=splits)
+            longest = self.longest_row(base_model, splits=splits, forward_only=forward_only)
             if longest is None or length <= longest:
                 continue
             replicas = self._split_over(base_model)
             how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else "on one worker" if splits
                    else "on one worker (its loss or its images need the whole row on one worker)")
-            return index, (f"data[{index}] has {length} tokens, and {base_model} trains rows of at most {longest} "
+            runs = "runs forward-only rows" if forward_only else "trains rows"
+            return index, (f"data[{index}] has {length} tokens, and {base_model} {runs} of at most {longest} "
                            f"tokens {how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation "
                            "checkpointing included)")
         return None

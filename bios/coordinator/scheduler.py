@@ -367,8 +367,8 @@ class Scheduler(Actor):
         """Why `queued` must wait although it is next: a row longer than its group holds now (accepted when the
         group was bigger; workers left since). Its client hears why; the placement changing lets it try again."""
         op = queued.op
-        if not isinstance(op, m.FORWARD_TYPES) or (found := self.planner.too_long(run.base_model,
-                                                                                 forward_rows(op))) is None:
+        if not isinstance(op, m.FORWARD_TYPES) or (found := self.planner.too_long(
+                run.base_model, forward_rows(op), forward_only=op.forward_only)) is None:
             return None
         why = f"it waits for workers: {found[1]}"
         log.warning("%s: request %s %s", run.model_id, queued.request_id, why)

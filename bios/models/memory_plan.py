@@ -113,6 +113,7 @@ class Plan:
     # The longest row a worker trains under this plan, over 1, 2, ... replicas: a row longer than `batch_tokens`
     # runs alone in a checkpointed pass, or split over the replicas (`longest_row`); () where unbounded (tests).
     longest_rows: tuple[int, ...] = ()
+    longest_forward_row: int | None = None  # the longest row a worker runs forward only (no graph), alone
     kv_bytes_per_token: int = 0  # a decode's key/value cache per row and position (`kv_cache_bytes`); 0: unknown
     decode_bytes: int = 0  # what a decode holds besides its cache: base, adapters, runtime, a prefill pass
 
@@ -124,9 +125,13 @@ class Plan:
         room = USABLE_FRACTION * self.budget_bytes - self.decode_bytes
         return max(0, int(room // (rows * self.kv_bytes_per_token)))
 
-    def longest_row(self, replicas: int = 1) -> int | None:
-        """The longest row over `replicas` replicas of this plan (None: unbounded)."""
-        return self.longest_rows[min(replicas, len(self.longest_rows)) - 1] if self.longest_rows else None
+    def longest_row(self, replicas: int = 1, *, forward_only: bool = False) -> int | None:
+        """The longest row over `replicas` replicas of this plan (None: unbounded); `forward_only`: of a request
+        that trains nothing, which may also run alone on one worker without a graph."""
+        if not self.longest_rows:
+            return None
+        training = self.longest_rows[min(replicas, len(self.longest_rows)) - 1]
+        return max(training, self.longest_forward_row or 0) if forward_only else training
 
     @property
     def name(self) -> str:
@@ -160,6 +165,7 @@ def estimate(
     fused_kernels: bool = True,
     overhead_bytes: int | None = None,
     mlp_chunk: int | None = None,
+    forward_only: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes on one worker for one forward/backward pass of `batch_tokens` tokens (plus the optimizer).
 
@@ -169,7 +175,8 @@ def estimate(
     worker runs `bios.kernels` (`BIOS_KERNELS`, on by default) or the stock ops, which keep more per layer and
     the whole [tokens, vocab] logits. `overhead_bytes` is the worker's measured runtime footprint (default:
     `RUNTIME_OVERHEAD` of the device type). `mlp_chunk`: a checkpointed long row's pass runs dense MLPs that
-    many positions at a time (`bios.models.long_rows.MLP_CHUNK_TOKENS`).
+    many positions at a time (`bios.models.long_rows.MLP_CHUNK_TOKENS`). `forward_only`: a pass that builds no
+    graph (a forward-only request's), which holds one layer's tensors at a time.
     """
     shape = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     if dtype not in _DTYPE_BYTES:
@@ -181,7 +188,7 @@ def estimate(
         weights=_weight_elements(shape, tp) * weight_bytes,
         adapters=num_adapters * _lora_elements(shape, lora_rank, tp) * 5 * _FP32,
         activations=_activation_bytes(
-            shape, lora_rank, batch_tokens, dtype, activation_checkpointing, tp, fused_kernels, mlp_chunk
+            shape, lora_rank, batch_tokens, dtype, activation_checkpointing, tp, fused_kernels, mlp_chunk, forward_only
         ),
         logits=_logits_bytes(shape, batch_tokens, dtype, fused_kernels),
         overhead=RUNTIME_OVERHEAD[device_type] if overhead_bytes is None else overhead_bytes,
@@ -248,9 +255,12 @@ def choose_plan(
                     alone = partial(longest_row, long_pass,
                                     USABLE_FRACTION * budget_bytes, plan.batch_tokens, shape.max_context_length, shape)
                     most = max_replicas if tp == 1 else 1
+                    forward = longest_row(partial(long_pass, forward_only=True), USABLE_FRACTION * budget_bytes,
+                                          plan.batch_tokens, shape.max_context_length, shape)
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
                     prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
                     return replace(plan, longest_rows=tuple(alone(replicas=r) for r in range(1, most + 1)),
+                                   longest_forward_row=forward,
                                    kv_bytes_per_token=kv_cache_bytes(shape, 1, 1, tp), decode_bytes=prefill.total)
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []
@@ -359,22 +369,25 @@ def _saved_per_token_layer(
 
 def _activation_bytes(
     shape: ModelShape, rank: int, tokens: int, dtype: Dtype, checkpointing: bool, tp: int, fused: bool,
-    mlp_chunk: int | None = None,
+    mlp_chunk: int | None = None, forward_only: bool = False,
 ) -> int:
     dense = _saved_per_token_layer(shape, rank, dtype, tp, fused) * tokens * _ACTIVATION_FRAGMENTATION
     moe = _saved_per_token_layer(shape, rank, dtype, tp, fused, moe=True) * tokens * _ACTIVATION_FRAGMENTATION
+    chunked = bool(mlp_chunk and shape.chunked_mlp and tokens > mlp_chunk and (checkpointing or forward_only))
+    if chunked:  # a dense layer's MLP keeps its [tokens, intermediate] tensors for one chunk only
+        dense -= _mlp_per_token(shape, dtype, tp, fused) * _ACTIVATION_FRAGMENTATION * (tokens - mlp_chunk)
+    vision = shape.vision.activation_bytes(tokens, _DTYPE_BYTES[dtype]) if shape.vision is not None else 0
+    if forward_only:  # no graph: one layer's tensors (at most what it would save) and its input and output
+        hidden = 2 * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _ACTIVATION_FRAGMENTATION
+        return int(max(dense, moe if shape.moe_layers else 0) + hidden + vision)
     # One layer's backward: gradients of its I-sized and H-sized activations while its saved ones are live.
     dense_width, experts_width = shape.intermediate_size / tp, shape.experts_per_token * shape.expert_intermediate_size
     width = max(dense_width, experts_width)
     backward = tokens * (3 * width + 3 * shape.hidden_size) * _FP32
-    vision = shape.vision.activation_bytes(tokens, _DTYPE_BYTES[dtype]) if shape.vision is not None else 0
     if not checkpointing:
         return int((shape.num_layers - shape.moe_layers) * dense + shape.moe_layers * moe + backward + vision)
     kept = shape.num_layers * tokens * shape.hidden_size * _DTYPE_BYTES[dtype] * _CHECKPOINT_FRAGMENTATION
-    if mlp_chunk and shape.chunked_mlp and tokens > mlp_chunk:
-        # the recomputed dense layer keeps its MLP's [tokens, intermediate] tensors, and their gradients, for one
-        # chunk only (a MoE layer's experts are not chunked)
-        dense -= _mlp_per_token(shape, dtype, tp, fused) * _ACTIVATION_FRAGMENTATION * (tokens - mlp_chunk)
+    if chunked:  # and their gradients, in the recomputed layer's backward (a MoE layer's experts are not chunked)
         backward = (tokens * (3 * experts_width + 3 * shape.hidden_size) + mlp_chunk * 3 * dense_width) * _FP32
     return int(kept + max(dense, moe if shape.moe_layers else 0) + backward + vision)
 

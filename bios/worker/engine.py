@@ -327,7 +327,7 @@ def forward_backward(
     for backward in (True, False):
         selected = [row for row in rows if items[row.item].forward_only != backward]
         for batch in _micro_batches(_group_rows(selected), max_tokens_per_pass, positions):
-            alone = backward and batch[0].tokens.numel() > max_tokens_per_pass  # a row longer than the plan's pass
+            alone = batch[0].tokens.numel() > max_tokens_per_pass  # a row longer than the plan's pass (MLPs chunked)
             with checkpointed(model) if alone else contextlib.nullcontext():
                 batch_logprobs, batch_losses, batch_metrics = run_pass(model, batch, items, backward=backward,
                                                                         reader=images, packs=packs)
