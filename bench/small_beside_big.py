@@ -22,20 +22,15 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bios import types
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SEQ = 128
+from machine import describe_machine  # noqa: E402
+from placement import SEQ, batch, write_models  # noqa: E402  (rows of SEQ tokens; the random Llamas)
+
+from bios import types  # noqa: E402
+
 WAYS = ("shared", "cut", "own worker")
 PARAMS = types.AdamParams(learning_rate=1e-4)
-
-
-def batch(rows: int, salt: int):
-    data = []
-    for i in range(rows):
-        tokens = [(salt * 31 + i * 7 + j * 13) % 250 + 1 for j in range(SEQ + 1)]
-        data.append(types.Datum(types.ModelInput.from_ints(tokens[:-1]),
-                                {"target_tokens": tokens[1:], "weights": [1.0] * SEQ}))
-    return data
 
 
 def steps_until(tc, rows: int, stop: threading.Event, done: list[int]) -> None:
@@ -83,10 +78,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from machine import describe_machine
-    from placement import write_models
-
     print(describe_machine())
     model = write_models(Path(tempfile.mkdtemp(prefix="bench-small-big-")))[args.model]
     print(f"4 workers (1 thread each), {args.model} model, a 1-row and a {args.rows}-row run of {SEQ}-token rows, "
