@@ -112,14 +112,30 @@ def test_a_replica_moves_toward_the_work_only_past_the_hysteresis_ratio():
     busy = [ModelNeed("A", a.plan, demand=3.0), ModelNeed("B", b.plan, demand=2.0)]  # 1.0 vs 2.0: moves one
     moved = place(FOUR, busy, both, rebalance=True)
     assert moved.rebalanced and [g.replicas for g in moved.groups] == [2, 2]
-    assert any("moves from A's group to B's" in why for why in moved.reasons)
+    assert any("move from A's group to B's" in why for why in moved.reasons)
     assert not place(FOUR, busy, both).rebalanced  # only when asked (the planner spaces moves out)
     alone = [ModelNeed("A", a.plan, demand=0.0), ModelNeed("B", b.plan, demand=9.0)]
     last = place(FOUR, alone, place(FOUR, alone, moved, rebalance=True), rebalance=True)
     assert [g.replicas for g in last.groups] == [1, 3]  # A keeps one replica whatever the work elsewhere
 
 
-def test_split_groups_are_not_rebalanced():
+def test_a_split_groups_last_replica_never_moves():
     needs = [ModelNeed("L", L.plan, demand=0.0), ModelNeed("S", S.plan, demand=100.0)]
     first = place(FOUR, needs, place(FOUR, needs[:1]))
     assert place(FOUR, needs, first, rebalance=True).layout() == first.layout()
+
+
+def test_whole_replicas_move_between_split_and_unsplit_groups_toward_the_work():
+    """A group of tp 2 takes two of an unsplit group's replicas as one of its own, and gives one back as two."""
+    six = {f"w{i}": BUDGET for i in range(1, 7)}
+    idle_l = [ModelNeed("L", L.plan, demand=0.0), ModelNeed("S", S.plan, demand=0.0)]
+    first = place(six, idle_l, place(six, idle_l[:1]))
+    assert [(g.group_id, g.tp, g.replicas) for g in first.groups] == [("L", 2, 2), ("S", 1, 2)]
+    busy_l = [ModelNeed("L", L.plan, demand=10.0), ModelNeed("S", S.plan, demand=0.1)]
+    assert place(six, busy_l, first, rebalance=True).layout() == first.layout()  # S would keep no replica
+    busy_s = [ModelNeed("L", L.plan, demand=0.1), ModelNeed("S", S.plan, demand=10.0)]
+    moved = place(six, busy_s, first, rebalance=True)
+    assert [(g.group_id, g.replicas) for g in moved.groups] == [("L", 1), ("S", 4)]
+    assert moved.group_of_model("S").workers[2:] == first.group_of_model("L").workers[2:]  # L's newest replica
+    back = place(six, busy_l, moved, rebalance=True)
+    assert [(g.group_id, g.replicas) for g in back.groups] == [("L", 2), ("S", 2)]

@@ -24,6 +24,7 @@ not built), and a model's plan only chooses the size when its group is made.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ class Placement:
         return {g.group_id: g.workers for g in self.groups}
 
 
-REBALANCE_RATIO = 2.0  # a replica moves only toward a group with at least this much more work per replica
+REBALANCE_RATIO = 2.0  # replicas move only toward a group with at least this much more work per worker
 
 
 def needed_bytes(plans: Sequence[Plan | None]) -> int:
@@ -160,7 +161,7 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
     """The next placement of `needs` on the live workers (`budgets`: worker id -> bytes), starting from
     `current` (see the module docstring). `affinity`: the base models whose adapters a worker already holds (it
     kept them across a coordinator restart): a new group takes those workers first, so nothing is reloaded.
-    `rebalance`: also move one replica from the group with the least work per replica to the one with the
+    `rebalance`: also move whole replicas from the group with the least work per worker to the one with the
     most, when it has at least REBALANCE_RATIO times as much (hysteresis: groups do not thrash)."""
     state = _Placing(budgets, {need.base_model: need for need in needs}, affinity=affinity or {})
     _keep(state, current)
@@ -300,22 +301,28 @@ def _share(state: _Placing, group: _Group) -> str:
 
 
 def _rebalance(state: _Placing) -> bool:
-    """Move one replica toward the work (whole-adapter groups only: any replica holds everything); True if moved."""
-    movable = [g for g in state.groups if g.tp == 1 and g.workers]
-    load = {g.group_id: state.demand(g) / g.replicas for g in movable}
+    """Move whole replicas toward the work, once: from the group with the least work per worker to one with at
+    least REBALANCE_RATIO times as much, as many of the donor's newest replicas as make whole replicas of the
+    receiver (one of tp 1 to one of tp 2: two), the donor keeping one; True if any moved."""
+    movable = [g for g in state.groups if g.workers]
+    load = {g.group_id: state.demand(g) / len(g.workers) for g in movable}
     for receiver in sorted(movable, key=lambda g: -load[g.group_id]):
         for donor in sorted(movable, key=lambda g: load[g.group_id]):
-            if (donor is receiver or donor.replicas < 2 or not load[receiver.group_id]
+            if (donor is receiver or not load[receiver.group_id]
                     or load[receiver.group_id] < REBALANCE_RATIO * load[donor.group_id]):
                 continue
-            worker = next((w for w in reversed(donor.workers) if state.holds(w, receiver.models)), None)
-            if worker is None:
+            count = receiver.tp // math.gcd(donor.tp, receiver.tp)  # donor replicas that make whole ones
+            replicas = [donor.workers[r * donor.tp:(r + 1) * donor.tp] for r in range(donor.replicas - 1, 0, -1)]
+            able = [replica for replica in replicas if all(state.holds(w, receiver.models) for w in replica)]
+            if len(able) < count:
                 continue
-            donor.workers.remove(worker)
-            receiver.workers.append(worker)
-            state.reasons.append(f"{worker} moves from {donor.group_id}'s group to {receiver.group_id}'s, which "
-                                 f"has {_share(state, receiver)} of the cluster's work on {receiver.replicas - 1} "
-                                 f"replica(s) (the other {_share(state, donor)} on {donor.replicas + 1})")
+            moving = [w for replica in able[:count] for w in replica]
+            donor.workers[:] = [w for w in donor.workers if w not in moving]
+            receiver.workers.extend(moving)
+            state.reasons.append(f"{', '.join(moving)} move from {donor.group_id}'s group to {receiver.group_id}'s, "
+                                 f"which has {_share(state, receiver)} of the cluster's work on "
+                                 f"{len(receiver.workers) - len(moving)} worker(s) (the other {_share(state, donor)} "
+                                 f"on {len(donor.workers) + len(moving)})")
             return True
     return False
 
