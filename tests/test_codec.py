@@ -151,6 +151,8 @@ def value_of(hint: Any) -> st.SearchStrategy[Any]:
         return st.one_of(*(value_of(a) for a in args))
     if origin in (list, Sequence):
         return st.lists(value_of(args[0]), max_size=2)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        return st.tuples(*(value_of(a) for a in args))
     if origin in (dict, Mapping):
         return st.dictionaries(_KEY, value_of(args[1]), max_size=2)
     if dataclasses.is_dataclass(hint):
@@ -371,6 +373,12 @@ def test_unknown_kind_is_rejected_with_the_envelope_id() -> None:
             "RegisterWorker",
             {"worker_id": "w", "host": "h", "pid": 1, "device": "cpu", "memory_bytes": 1, "models": [1]},
             "RegisterWorker.models",
+        ),
+        (  # a fixed-length tuple: two ints, not three
+            "WorkItem",
+            {"request_id": "r", "op": {"__t": "OptimStep", "model_id": "m", "seq_id": 0,
+                                       "adam_params": {"__t": "AdamParams", "learning_rate": 1.0}}, "part": [0, 1, 2]},
+            "WorkItem.part",
         ),
     ],
 )

@@ -85,6 +85,7 @@ class Codec:
         self._by_name: dict[str, type] = {}
         self._fields: dict[type, tuple[str, ...]] = {}
         self._checkers: dict[type, dict[str, Callable[[Any], bool]]] = {}
+        self._tuples: dict[type, set[str]] = {}  # each type's tuple fields (msgpack gives lists)
         self._adapters: dict[type, _Adapter] = {}
         self._adapter_by_name: dict[str, _Adapter] = {}
         self.register(TransportError)
@@ -257,6 +258,9 @@ class Codec:
         for name, value in values.items():
             if not checkers[name](value):
                 raise DecodeError(f"{cls.__name__}.{name} has the wrong type ({type(value).__name__})")
+        for name in self._tuples[cls] & values.keys():  # msgpack has arrays only: a tuple field comes back a tuple
+            if values[name] is not None:
+                values[name] = tuple(values[name])
         try:
             return cls(**values)
         except DecodeError:
@@ -268,6 +272,7 @@ class Codec:
 
     def _compile(self, cls: type) -> dict[str, Callable[[Any], bool]]:
         hints = typing.get_type_hints(cls)
+        self._tuples[cls] = {name for name in self._fields[cls] if _is_tuple(hints.get(name, Any))}
         return {name: self._checker(hints.get(name, Any)) for name in self._fields[cls]}
 
     def _checker(self, hint: Any) -> Callable[[Any], bool]:
@@ -290,6 +295,9 @@ class Codec:
         if origin in (typing.Union, types.UnionType):
             parts = [self._checker(a) for a in args]
             return lambda v: any(p(v) for p in parts)
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length: each item its own type
+            items = [self._checker(a) for a in args]
+            return lambda v: isinstance(v, list) and len(v) == len(items) and all(c(x) for c, x in zip(items, v))
         if origin in (list, tuple, Sequence, set, frozenset) or hint in (list, tuple):
             item = self._checker(args[0]) if args and args[-1] is not Ellipsis and len(args) == 1 else None
             if origin is tuple and args and args[-1] is Ellipsis:
@@ -306,6 +314,13 @@ class Codec:
         if isinstance(hint, type):
             return lambda v, t=hint: isinstance(v, t)
         return lambda v: True
+
+
+def _is_tuple(hint: Any) -> bool:
+    """Whether a field's type is a tuple, or a union with one (`tuple[int, int] | None`)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_tuple(arg) for arg in typing.get_args(hint))
+    return hint is tuple or typing.get_origin(hint) is tuple
 
 
 def _readable_id(header: memoryview) -> int | None:
