@@ -84,7 +84,8 @@ class Run:
     batch_tokens: int = 0  # tokens of the last forward request a cycle took: how big its batches are
     taken_at: float = float("-inf")  # when a cycle last took its work
 
-    def describe(self, memory_plan: str | None, longest_row: int | None = None) -> t.GetInfoResponse:
+    def describe(self, memory_plan: str | None, longest_row: int | None = None,
+                 longest_forward_row: int | None = None) -> t.GetInfoResponse:
         """What `get_info()` reports: the run's model, LoRA shape and seed, and how the workers hold its base
         (its plan, and the longest row they train)."""
         info = self.info
@@ -101,6 +102,7 @@ class Run:
             optimizer=self.optimizer,
             lora_targets=self.lora_targets,
             longest_row=longest_row,
+            longest_forward_row=longest_forward_row,
         )
 
     def enqueue(self, seq_id: int, item: Queued) -> None:

@@ -434,7 +434,8 @@ class Scheduler(Actor):
 
     def get_info(self, owner: str, body: m.GetInfo) -> t.GetInfoResponse:
         run = run_for(self.runs, body.model_id, owner)
-        return run.describe(self.planner.describe(run.base_model), self.planner.longest_row(run.base_model))
+        return run.describe(self.planner.describe(run.base_model), self.planner.longest_row(run.base_model),
+                            self.planner.longest_row(run.base_model, forward_only=True))
 
     def get_sampler(self, owner: str, body: m.GetSamplingSession) -> m.SamplingSession:
         return self.samplers.get(owner, body)

@@ -64,6 +64,7 @@ class GetInfoResponse:
     lora_targets: list[LoraTargetGroup] | None = None
     # The longest row (tokens) one forward_backward may hold on the current workers (None: not planned yet)
     longest_row: int | None = None
+    longest_forward_row: int | None = None  # the same for a forward-only request (`forward`), which builds no graph
 
 
 @dataclass(frozen=True)
