@@ -133,8 +133,14 @@ async def test_a_big_batch_beside_a_small_run_is_cut_over_cycles_and_answered_on
         await scheduler.submit(Submit(b"client", "a", m.ForwardBackward(small, seq, [text_datum("one")],
                                                                         "cross_entropy"), [b"x"]))
 
+    waits = []
+
     def cycle() -> tuple:
         plan = scheduler.schedule(group_id, layout)
+        if plan.wait_s:  # the next part waits (once) for the small run's next call: the runner asks again
+            assert plan.items == ()
+            waits.append(plan.wait_s)
+            plan = scheduler.schedule(group_id, layout)
         parts = [(i.part, len(i.op.data)) for i in plan.items if i.op.target == RUN]
         return plan, parts, [i for i in plan.items if i.last_part]
 
@@ -174,6 +180,7 @@ async def test_a_big_batch_beside_a_small_run_is_cut_over_cycles_and_answered_on
         assert parts == [((start, 16), 4)]
         await commit(plan, finished)
     assert pushed.count("RequestDone") == 7 + 2 and scheduler.runs[RUN].queue == {}  # 7 small steps, 2 big: once
+    assert len(waits) == 3  # before each later part of the last four: the small run sent nothing more
 
     monkeypatch.setattr("bios.coordinator.cycle_share.ACTIVE_S", 0.0)  # the small run went quiet
     await scheduler.submit(Submit(b"client", "a", dataclasses.replace(big, seq_id=3), [b"x"]))

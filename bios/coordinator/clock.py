@@ -57,6 +57,15 @@ class CycleClock:
             if self._arrivals == seen:
                 return
 
+    async def replies(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for work to arrive, then while more keeps coming (`_burst`): the next calls of
+        the clients a cycle just answered."""
+        seen, deadline = self._arrivals, time.monotonic() + timeout_s
+        while self._arrivals == seen and time.monotonic() < deadline:
+            await asyncio.sleep(BURST_GAP_S)
+        if self._arrivals != seen:
+            await self._burst()
+
     def held_for(self, duration_s: float) -> float:
         """How long a cycle that ran `duration_s` holds the group: on a grid, until the next tick after it."""
         if self.cycle_s <= 0:

@@ -31,6 +31,7 @@ MAX_PARTS = 4  # into at most this many cycles
 CUT_COST = float(os.environ.get("BIOS_CUT_COST", "0.05"))
 ACTIVE_S = 5.0  # a run whose work a cycle took this recently is active (its client is between two calls)
 WINDOW = 64  # committed training cycles a group's shortest is taken over
+REPLY_WAIT_S = 0.02  # how long a cut request's next part waits for the small runs' next calls
 
 
 class CycleCosts:
@@ -73,3 +74,15 @@ def most_rows(run: Run, group_runs: list[Run], replicas: int, now: float, costs:
     others = [size for other in group_runs
               if other is not run and other.active(now - ACTIVE_S) and (size := other.batch_size())]
     return rows_per_cycle(len(head.op.data), tokens_of(head.op, None), others, replicas, costs.parts(run.model_id))
+
+
+def awaited_part(group_runs: list[Run], now: float) -> tuple[str, int] | None:
+    """The next part of a request cut over cycles (its run, the rows done), when another active run of the group
+    has nothing queued: its client, just answered, is sending its next call, which that part's cycle should take
+    (with back-to-back cycles it would start first, and the small run would step every other part). None when
+    nothing is worth waiting for."""
+    cut = next((run for run in group_runs if run.ready() and run.head().done_rows), None)
+    if cut is None or not any(other is not cut and not other.ready() and other.active(now - ACTIVE_S)
+                              for other in group_runs):
+        return None
+    return cut.model_id, cut.head().done_rows

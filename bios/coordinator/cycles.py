@@ -103,6 +103,9 @@ class CycleRunner:
             if plan.items:
                 await self._run_cycle(plan, self.generations.ranked)
                 return
+            if plan.wait_s:
+                await self.clock.replies(plan.wait_s)
+                continue
             if plan.layout.same_shape(settled):
                 return  # formed, and no work
             await self.generations.settle(plan.layout, plan.adapters)

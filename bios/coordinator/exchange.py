@@ -35,6 +35,9 @@ class CyclePlan:
     adapters: tuple[m.AdapterSpec, ...] = ()
     cycle_id: int = 0
     items: tuple[m.WorkItem, ...] = ()
+    # No items yet: wait up to this long for the next calls of clients the last cycle answered, then ask again
+    # (the next part of a request cut over cycles would otherwise start before the small runs are back)
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

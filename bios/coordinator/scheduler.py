@@ -31,7 +31,7 @@ from bios.transport.codec import Codec
 from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for, sample_positions
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
-from .cycle_share import CycleCosts, most_rows
+from .cycle_share import REPLY_WAIT_S, CycleCosts, awaited_part, most_rows
 from .disk import is_disk_full
 from .exchange import CycleOutcome, CyclePlan, GroupLayout
 from .metrics import CoordinatorMetrics
@@ -83,6 +83,7 @@ class Scheduler(Actor):
         self.base_infos: dict[str, t.BaseModelInfo] = {}
         self._cycle_ids = itertools.count(1)  # one numbering for every group's cycles
         self.costs: dict[tuple[str, ...], CycleCosts] = {}  # each group's (by its base models) recent cycles
+        self._awaited: dict[str, tuple[str, int]] = {}  # group -> the cut request's part it last waited before
 
     async def started(self) -> None:
         """Carry on where the state dir says the last coordinator stopped."""
@@ -153,6 +154,11 @@ class Scheduler(Actor):
                          for r in self.runs.values() if r.status == "ready" and r.base_model in group.models)
         if not layout.same_shape(formed):
             return CyclePlan(layout, adapters)
+        part = awaited_part([r for r in self.runs.values() if r.status != "lost" and r.base_model in group.models],
+                            time.monotonic())
+        if part is not None and self._awaited.get(group_id) != part:  # once a part
+            self._awaited[group_id] = part
+            return CyclePlan(layout, adapters, wait_s=REPLY_WAIT_S)
         cycle_id = next(self._cycle_ids)
         return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models, group.replicas)))
 
