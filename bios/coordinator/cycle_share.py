@@ -86,3 +86,34 @@ def awaited_part(group_runs: list[Run], now: float) -> tuple[str, int] | None:
                               for other in group_runs):
         return None
     return cut.model_id, cut.head().done_rows
+
+
+class CycleShare:
+    """What the rules above remember, per group: its cycles' costs, and the part it last waited before (a part
+    waits once). The scheduler asks it at each tick and tells it each committed cycle."""
+
+    def __init__(self) -> None:
+        self.costs: dict[tuple[str, ...], CycleCosts] = {}  # by the group's base models
+        self.awaited: dict[str, tuple[str, int]] = {}  # group id -> (run, rows done) of the part waited before
+
+    def most_rows(self, run: Run, group_runs: list[Run], replicas: int, models: tuple[str, ...],
+                  now: float) -> int | None:
+        return most_rows(run, group_runs, replicas, now, self.costs.setdefault(models, CycleCosts()))
+
+    def wait_s(self, group_id: str, group_runs: list[Run], now: float) -> float:
+        """How long the group's next cycle waits for the small runs' next calls (`awaited_part`); 0: none."""
+        part = awaited_part(group_runs, now)
+        if part is None or self.awaited.get(group_id) == part:
+            return 0.0
+        self.awaited[group_id] = part
+        return REPLY_WAIT_S
+
+    def ran(self, models: tuple[str, ...], seconds: float, ops: dict[str, m.Request],
+            parts: Iterable[str]) -> None:
+        """A committed cycle of a group of `models` held it `seconds`, running `ops` (request id -> op; `parts`:
+        the ids of parts of requests cut over cycles)."""
+        forward = {request_id: op for request_id, op in ops.items() if isinstance(op, m.FORWARD_TYPES)}
+        if forward:
+            cut = set(parts)
+            self.costs.setdefault(models, CycleCosts()).ran(
+                seconds, {op.target for request_id, op in forward.items() if request_id not in cut})

@@ -20,7 +20,7 @@ class CycleWork:
 
     ops: dict[str, m.Request]  # request id -> op (of a part of a request cut over cycles: its rows only)
     runs: set[str]  # model ids
-    whole: dict[str, m.Request] = field(default_factory=dict)  # request id -> the whole op, of its last part
+    whole: dict[str, m.Request] = field(default_factory=dict)  # request id -> the whole op, of each cut part
 
 
 @dataclass

@@ -31,7 +31,7 @@ from bios.transport.codec import Codec
 from .admission import Admission, Fresh, Refused, Repeat, Submit, run_for, sample_positions
 from .autosave import AutoSave, automatic_save
 from .catalog import Catalog
-from .cycle_share import REPLY_WAIT_S, CycleCosts, awaited_part, most_rows
+from .cycle_share import CycleShare
 from .disk import is_disk_full
 from .exchange import CycleOutcome, CyclePlan, GroupLayout
 from .metrics import CoordinatorMetrics
@@ -82,8 +82,7 @@ class Scheduler(Actor):
         self.committed: dict[str, float] = {}  # each adapter's checksum after its group's last commit
         self.base_infos: dict[str, t.BaseModelInfo] = {}
         self._cycle_ids = itertools.count(1)  # one numbering for every group's cycles
-        self.costs: dict[tuple[str, ...], CycleCosts] = {}  # each group's (by its base models) recent cycles
-        self._awaited: dict[str, tuple[str, int]] = {}  # group -> the cut request's part it last waited before
+        self.share = CycleShare()  # what cutting big batches over cycles remembers (`cycle_share`)
 
     async def started(self) -> None:
         """Carry on where the state dir says the last coordinator stopped."""
@@ -154,11 +153,9 @@ class Scheduler(Actor):
                          for r in self.runs.values() if r.status == "ready" and r.base_model in group.models)
         if not layout.same_shape(formed):
             return CyclePlan(layout, adapters)
-        part = awaited_part([r for r in self.runs.values() if r.status != "lost" and r.base_model in group.models],
-                            time.monotonic())
-        if part is not None and self._awaited.get(group_id) != part:  # once a part
-            self._awaited[group_id] = part
-            return CyclePlan(layout, adapters, wait_s=REPLY_WAIT_S)
+        live = [run for run in self.runs.values() if run.status != "lost" and run.base_model in group.models]
+        if wait := self.share.wait_s(group_id, live, time.monotonic()):
+            return CyclePlan(layout, adapters, wait_s=wait)
         cycle_id = next(self._cycle_ids)
         return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models, group.replicas)))
 
@@ -166,10 +163,8 @@ class Scheduler(Actor):
         """A cycle ended: record its results (automatic checkpoints first), its adapters' checksums, then answer
         its requests and requeue what it did not finish."""
         work = self.cycles.pop(outcome.cycle_id, CycleWork({}, set()))
-        if not outcome.aborted and any(isinstance(op, m.FORWARD_TYPES) for op in work.ops.values()):
-            self.costs.setdefault(outcome.models, CycleCosts()).ran(outcome.seconds, {
-                op.target for request_id, op in work.ops.items()
-                if isinstance(op, m.FORWARD_TYPES) and request_id not in work.whole})
+        if not outcome.aborted:
+            self.share.ran(outcome.models, outcome.seconds, work.ops, work.whole)
         answers = [answer for done in outcome.results if (answer := await self._finished(work, done)) is not None]
         self._committed(outcome.models, outcome.committed)
         await self._answer(work, answers)
@@ -343,8 +338,7 @@ class Scheduler(Actor):
         alone = next((run for run in live if run.runs_alone()), None)
         now = time.monotonic()
         for run in [alone] if alone is not None else live:
-            most = most_rows(run, live, replicas, now, self.costs.setdefault(models, CycleCosts())) \
-                if alone is None else None
+            most = self.share.most_rows(run, live, replicas, models, now) if alone is None else None
             taken = run.take_cycle(partial(self._hold, run), most)
             if taken and taken[0].part_rows and not taken[0].done_rows:
                 log.info("%s: its %d-row batch runs in parts of %d rows, so the group's smaller runs step meanwhile",
