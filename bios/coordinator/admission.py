@@ -26,7 +26,7 @@ from bios.models.registry import model_vision
 from bios.security.limits import QuotaLedger
 
 from .catalog import Catalog
-from .planning import PlanChoice, PoolPlanner, forward_rows
+from .planning import PlanChoice, PoolPlanner
 from .runs import Run
 from .store import Store, StoredRequest
 
@@ -224,7 +224,7 @@ class Admission:
             spec.check_forward(data, op.loss_fn, op.loss_fn_config, run.info or self.limits(run.base_model, infos),
                                op.custom_loss)
             op = dataclasses.replace(op, data=data)
-            self.planner.check_rows(run.base_model, forward_rows(op), forward_only=op.forward_only)
+            self.planner.check_rows(run.base_model, op)
             self.ledger.check_tokens(sum(datum.model_input.length for datum in data), "data")
             return op
         elif isinstance(op, m.OptimStep):

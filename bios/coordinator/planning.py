@@ -44,7 +44,7 @@ DEMAND_WINDOW_S = 60.0
 MOVE_INTERVAL_S = 10.0
 
 
-def forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:
+def _forward_rows(op: m.ForwardBackward) -> list[tuple[int, bool]]:
     """Each row of a forward(-backward) request: its length, and whether it may be split over workers."""
     return [(datum.model_input.length, spec.splits_rows(op.loss_fn, op.custom_loss, datum.model_input))
             for datum in op.data]
@@ -243,20 +243,19 @@ class PoolPlanner:
     def longest_rows(self) -> dict[str, int]:
         return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
 
-    def check_rows(self, base_model: str, rows: list[tuple[int, bool]], *, forward_only: bool = False) -> None:
-        """BadRequestError naming the first row longer than `base_model`'s group holds (`too_long`): it would run
-        a worker out of memory."""
-        if (found := self.too_long(base_model, rows, forward_only=forward_only)) is not None:
+    def check_rows(self, base_model: str, op: m.ForwardBackward) -> None:
+        """BadRequestError naming the first row of `op` longer than `base_model`'s group holds (`too_long`): it
+        would run a worker out of memory."""
+        if (found := self.too_long(base_model, op)) is not None:
             index, why = found
             raise BadRequestError(f"{why}; shorten or split the row, or add workers or memory",
                                   field=f"data[{index}].model_input")
 
-    def too_long(self, base_model: str, rows: list[tuple[int, bool]], *,
-                 forward_only: bool = False) -> tuple[int, str] | None:
-        """The first row longer than `base_model`'s group holds now (`longest_row`; `rows`: each one's length and
-        whether it may split, `forward_rows`; `forward_only`: a request that trains nothing), with why; None when
-        every row fits."""
-        for index, (length, splits) in enumerate(rows):
+    def too_long(self, base_model: str, op: m.ForwardBackward) -> tuple[int, str] | None:
+        """The first row of `op` longer than `base_model`'s group holds now (`longest_row`: each row's length,
+        whether it may split, and whether `op` trains), with why; None when every row fits."""
+        forward_only = op.forward_only
+        for index, (length, splits) in enumerate(_forward_rows(op)):
             longest = self.longest_row(base_model, splits=splits, forward_only=forward_only)
             if longest is None or length <= longest:
                 continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from bios import messages as m
@@ -216,13 +216,19 @@ class Run:
         for seq_id, item in self.in_flight:
             if self.queue.get(seq_id) is not item:
                 continue
-            if item.request_id in finished:
-                del self.queue[seq_id]
-                self.next_seq = max(self.next_seq, seq_id + 1)
-            else:
+            if not self._end_failed_part(seq_id, item, finished):
                 item.done_rows += item.part_rows
             item.part_rows = 0
         self.in_flight.clear()
+
+    def _end_failed_part(self, seq_id: int, item: Queued, finished: Collection[str]) -> bool:
+        """A part that more cycles would continue reported only if it failed: its request ended with its error
+        and leaves the queue; True if so."""
+        if item.request_id not in finished or self.queue.get(seq_id) is not item:
+            return False
+        del self.queue[seq_id]
+        self.next_seq = max(self.next_seq, seq_id + 1)
+        return True
 
     def restart_cut(self) -> None:
         """A new generation discarded the workers' pending gradients: a request cut over cycles starts again."""
@@ -243,9 +249,7 @@ class Run:
         for seq_id, item in self.in_flight:
             item.restart()  # a request cut over cycles: its pending parts are discarded on the workers
             if item.request_id in finished:
-                if self.queue.get(seq_id) is item:  # a part that failed: the request ended with its error
-                    del self.queue[seq_id]
-                    self.next_seq = max(self.next_seq, seq_id + 1)
+                self._end_failed_part(seq_id, item, finished)
                 continue
             if (worker_died or stalled) and not item.rejected:
                 item.deaths += worker_died

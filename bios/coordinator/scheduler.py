@@ -35,8 +35,8 @@ from .cycle_share import CycleShare
 from .disk import is_disk_full
 from .exchange import CycleOutcome, CyclePlan, GroupLayout
 from .metrics import CoordinatorMetrics
-from .placement import Placement
-from .planning import PoolPlanner, Workers, forward_rows
+from .placement import Group, Placement
+from .planning import PoolPlanner, Workers
 from .recovery import restore
 from .requeue import CycleWork, requeue
 from .results import Push, ResultRouter
@@ -157,7 +157,7 @@ class Scheduler(Actor):
         if wait := self.share.wait_s(group_id, live, time.monotonic()):
             return CyclePlan(layout, adapters, wait_s=wait)
         cycle_id = next(self._cycle_ids)
-        return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group.models, group.replicas)))
+        return CyclePlan(layout, adapters, cycle_id, tuple(self._select(cycle_id, group, live)))
 
     async def update(self, outcome: CycleOutcome) -> None:
         """A cycle ended: record its results (automatic checkpoints first), its adapters' checksums, then answer
@@ -329,16 +329,17 @@ class Scheduler(Actor):
         self.committed.update(checksums)
         self.store.set_committed(dict(self.committed))
 
-    def _select(self, cycle_id: int, models: tuple[str, ...], replicas: int) -> list[m.WorkItem]:
-        """The next share of every run of the group's base models (a part of a big request beside smaller runs,
-        `cycle_share`), and their samples; but a run whose last cycle stalled runs alone (`runs_alone`)."""
+    def _select(self, cycle_id: int, group: Group, live: list[Run]) -> list[m.WorkItem]:
+        """The next share of every run of `group` (`live`: its runs not lost; a part of a big request beside
+        smaller runs, `cycle_share`), and their samples; but a run whose last cycle stalled runs alone
+        (`runs_alone`)."""
         items: list[m.WorkItem] = []
         whole: dict[str, m.Request] = {}
-        live = [run for run in self.runs.values() if run.status != "lost" and run.base_model in models]
+        models = group.models
         alone = next((run for run in live if run.runs_alone()), None)
         now = time.monotonic()
         for run in [alone] if alone is not None else live:
-            most = self.share.most_rows(run, live, replicas, models, now) if alone is None else None
+            most = self.share.most_rows(run, live, group.replicas, models, now) if alone is None else None
             taken = run.take_cycle(partial(self._hold, run), most)
             if taken and taken[0].part_rows and not taken[0].done_rows:
                 log.info("%s: its %d-row batch runs in parts of %d rows, so the group's smaller runs step meanwhile",
@@ -367,8 +368,7 @@ class Scheduler(Actor):
         """Why `queued` must wait although it is next: a row longer than its group holds now (accepted when the
         group was bigger; workers left since). Its client hears why; the placement changing lets it try again."""
         op = queued.op
-        if not isinstance(op, m.FORWARD_TYPES) or (found := self.planner.too_long(
-                run.base_model, forward_rows(op), forward_only=op.forward_only)) is None:
+        if not isinstance(op, m.FORWARD_TYPES) or (found := self.planner.too_long(run.base_model, op)) is None:
             return None
         why = f"it waits for workers: {found[1]}"
         log.warning("%s: request %s %s", run.model_id, queued.request_id, why)
