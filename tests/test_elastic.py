@@ -73,7 +73,8 @@ def test_two_workers_equal_one(reference):
 
 @pytest.mark.e2e
 def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference, record_property):
-    """Ten steps, each with one worker SIGKILLed inside the cycle running it, then a newcomer added.
+    """Ten steps, every other one with one worker SIGKILLed inside the cycle running it, then a newcomer added
+    (the steps between run on the cluster the last kill left).
 
     Each kill lands inside a cycle running the step on any machine: before the step is sent, one worker is
     held (SIGSTOP), so that cycle cannot end (every worker's gradients go through one all-reduce). At random, the held one is
@@ -102,6 +103,10 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference, r
                 size = 3  # 2 workers, then 3
                 cluster.add_worker()
             wait_for_workers(svc, size)
+            if step % 2:
+                futures += _train(tc, 1)
+                futures[-1].result(180)  # before the next step's worker is held: nothing else may wait in the queue
+                continue
             alive = [w for w in cluster.workers if w.poll() is None]
             victim, hold = rng.choice(alive), rng.choice(alive)
             with held(hold):
@@ -130,14 +135,14 @@ def test_sigkill_inside_cycles_loses_nothing_and_runs_nothing_twice(reference, r
             _wait_until_dead(svc, victim.pid)
         record_property("kills", evidence)  # in the JUnit XML report; printed with -s
         print("\n".join(evidence))
-        assert len(evidence) == 10, evidence
+        assert len(evidence) == 5, evidence
         assert {"held itself", "another held"} <= {e.split("(")[1].split(")")[0] for e in evidence}, evidence
         got = [f.result(180).loss for f in futures[0::2]]
         steps = [f.result(180).metrics["step:max"] for f in futures[1::2]]
         assert steps == list(range(1, 11))  # every optim_step ran exactly once, in order
         assert got == pytest.approx(losses, rel=1e-5)
         assert_same_weights(saved_adapter(svc, tc), weights)
-        assert svc.cluster_status().generation >= 20
+        assert svc.cluster_status().generation >= 10
 
 
 @pytest.mark.e2e
