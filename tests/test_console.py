@@ -92,6 +92,8 @@ def test_admin_sees_both_runs_and_the_active_worker(trained, tmp_path):
     pools = re.search(r'<table id="pools">.*?</table>', dom).group(0)
     assert BASE in pools and status.longest_rows[BASE] > 0  # the longest row a worker trains, as planned
     assert f'<td class="num longest-row">{status.longest_rows[BASE]} tokens</td>' in pools
+    forward = status.longest_forward_rows[BASE]  # a forward builds no graph: it runs rows at least as long
+    assert forward >= status.longest_rows[BASE] and f'<td class="num longest-forward-row">{forward} tokens</td>' in pools
 
 
 def test_a_key_sees_only_its_runs(trained, tmp_path):

@@ -154,7 +154,9 @@ def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused
         longest = info.longest_row
         assert longest is not None and 4096 < longest < LONG_SHAPE["max_position_embeddings"], info.memory_plan
         assert f"rows of <= {longest} tokens" in info.memory_plan
-        assert f"rows of <= {longest} tokens" in svc.cluster_status().plans[model]
+        status = svc.cluster_status()  # what `bios status` and the console show
+        assert f"rows of <= {longest} tokens (forward only: <= {info.longest_forward_row} tokens)" in status.plans[model]
+        assert (status.longest_rows[model], status.longest_forward_rows[model]) == (longest, info.longest_forward_row)
         with pytest.raises(BadRequestError) as refused:
             tc.forward_backward([random_datum(100), random_datum(longest + 1)]).result(60)
         message = str(refused.value)

@@ -240,8 +240,9 @@ class PoolPlanner:
         group = self.placement.group_of_model(base_model)
         return group.replicas if group is not None and group.tp == 1 else 1
 
-    def longest_rows(self) -> dict[str, int]:
-        return {name: longest for name in self.plans if (longest := self.longest_row(name)) is not None}
+    def longest_rows(self, *, forward_only: bool = False) -> dict[str, int]:
+        return {name: longest for name in self.plans
+                if (longest := self.longest_row(name, forward_only=forward_only)) is not None}
 
     def check_rows(self, base_model: str, op: m.ForwardBackward) -> None:
         """BadRequestError naming the first row of `op` longer than `base_model`'s group holds (`too_long`): it

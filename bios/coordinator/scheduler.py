@@ -237,9 +237,10 @@ class Scheduler(Actor):
         """Base model -> its plan and estimate, for `bios status`."""
         return self.planner.descriptions()
 
-    def longest_rows(self) -> dict[str, int]:
-        """Base model -> the longest row its group trains (`PoolPlanner.longest_row`), for status and the console."""
-        return self.planner.longest_rows()
+    def longest_rows(self, forward_only: bool = False) -> dict[str, int]:
+        """Base model -> the longest row its group trains, or with `forward_only` runs in a `forward`
+        (`PoolPlanner.longest_row`), for status and the console."""
+        return self.planner.longest_rows(forward_only=forward_only)
 
     def queue_depths(self) -> dict[str, int]:
         """Waiting requests per base model (training queues and samples)."""

@@ -39,6 +39,7 @@ class ClusterView:
             phase_seconds=dict(groups.phase_seconds),
             plans=await self.scheduler.ask(Scheduler.plan_descriptions),
             longest_rows=await self.scheduler.ask(Scheduler.longest_rows),
+            longest_forward_rows=await self.scheduler.ask(Scheduler.longest_rows, True),
             state_dir=self.store.disk.space(),
             groups=groups.group_status(),
             placement_notes=list(groups.placement.reasons),

@@ -205,6 +205,7 @@ class ClusterStatus:
     phase_seconds: dict[str, float] = field(default_factory=dict)  # summed over cycles (rank 0's view)
     plans: dict[str, str] = field(default_factory=dict)  # base model -> its memory plan and estimate
     longest_rows: dict[str, int] = field(default_factory=dict)  # base model -> the longest row (tokens) it trains
+    longest_forward_rows: dict[str, int] = field(default_factory=dict)  # ... it runs forward only (no graph)
     state_dir: StateDirSpace | None = None  # the coordinator's state directory: checkpoints and the request log
     groups: list[GroupStatus] = field(default_factory=list)  # where each base model runs
     placement_notes: list[str] = field(default_factory=list)  # why the placement last changed

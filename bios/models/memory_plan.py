@@ -148,6 +148,8 @@ class Plan:
             f"{self.name}: {layout}, {self.dtype} base weights, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, <= {self.batch_tokens} tokens per pass"
             + (f", rows of <= {self.longest_row(self.replicas)} tokens" if self.longest_rows else "")
+            + (f" (forward only: <= {forward} tokens)"
+               if (forward := self.longest_forward_row or 0) > (self.longest_row(self.replicas) or forward) else "")
             + f"; {self.estimate.describe()} per worker of {_gib(self.budget_bytes)}"
         )
 

@@ -315,10 +315,12 @@ function clusterTables(status, runs) {
     el("td", {}, g.formed.join(", ") || "none formed yet")));
   const dtypes = {};
   for (const r of runs) if (r.base_dtype) dtypes[r.base_model] = r.base_dtype;
-  const longest = status.longest_rows || {};
+  const longest = status.longest_rows || {}, forward = status.longest_forward_rows || {};
+  const tokens = (rows, model) => rows[model] ? `${rows[model]} tokens` : "-";
   const pools = [...new Set([...Object.keys(status.plans), ...Object.keys(dtypes)])].map(model => el("tr", {},
     el("td", {}, model), el("td", {}, dtypes[model] || "-"),
-    el("td", {class: "num longest-row"}, longest[model] ? `${longest[model]} tokens` : "-"),
+    el("td", {class: "num longest-row"}, tokens(longest, model)),
+    el("td", {class: "num longest-forward-row"}, tokens(forward, model)),
     el("td", {}, status.plans[model] || "-")));
   const cycles = Math.max(status.cycles_run, 1);
   const phases = Object.entries(status.phase_seconds).map(([phase, seconds]) => el("tr", {},
@@ -331,7 +333,7 @@ function clusterTables(status, runs) {
           {id: "workers"}),
     el("h2", {}, "Groups"), table(["base models", "TP", "replicas", "running on"], groups, {id: "groups"}),
     el("ul", {id: "placement-notes"}, status.placement_notes.map(note => el("li", {}, note))),
-    el("h2", {}, "Base models"), table(["base model", "base dtype", "longest row", "memory plan"], pools, {id: "pools"}),
+    el("h2", {}, "Base models"), table(["base model", "base dtype", "longest trained row", "longest forward-only row", "memory plan"], pools, {id: "pools"}),
     el("h2", {}, "Queue and cycles"),
     el("p", {id: "queue"}, `${status.queue_depth} request(s) queued; ${status.cycles_run} cycle(s) run, busy ${busy}% ` +
        `of ${status.uptime_s.toFixed(0)} s; ` + (status.cycle_s ? `a cycle every ${status.cycle_s} s` : "cycles back to back")),
