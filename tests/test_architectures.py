@@ -24,6 +24,7 @@ from bios.worker.adapter import LORA_ALPHA, AdapterState
 from bios.worker.checkpoint import export_state
 from bios.worker.engine import ForwardItem, commit_gradients, forward_backward, optim_step
 from bios.worker.lora import attach_lora
+from bios.worker.pool import ModelPool
 
 # What the default adapter covers in decoder layer 1 (path inside the layer); routers are never adapted.
 _ATTN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
@@ -87,6 +88,14 @@ def _loaded(name):
 
 
 ARCHS = list(CONFIGS)
+
+
+@pytest.mark.parametrize("model_name", ARCHS, indirect=True)
+def test_a_loaded_model_tells_the_coordinator_whether_its_long_rows_split(model_name):
+    """Only a model that runs Bios's attention splits a long row over workers: Falcon's code tests the
+    implementation's name, gpt-oss attends eagerly (its sinks). The planner holds the others to one worker."""
+    info = ModelPool(torch.device("cpu")).base(model_name).info
+    assert info.splits_long_rows is (model_name.removeprefix("test/") not in ("falcon", "gpt_oss"))
 
 
 @pytest.mark.parametrize("model_name", ARCHS, indirect=True)

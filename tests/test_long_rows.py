@@ -260,10 +260,11 @@ class _Scheduled:
         await asyncio.sleep(0.01)  # the notices go out
         return items
 
-    async def created(self) -> str:
+    async def created(self, splits_long_rows: bool | None = None) -> str:
         await self.submit(m.CreateModel("s", 0, self.model, LoraConfig(rank=8)))
         [create] = await self.tick()
-        info = bios.types.BaseModelInfo(self.model, self.model, "llama", 256, 16384, 1, 2, 100_000)
+        info = bios.types.BaseModelInfo(self.model, self.model, "llama", 256, 16384, 1, 2, 100_000,
+                                        splits_long_rows=splits_long_rows)
         created = m.ModelCreated("s:train:0", info, 8, 1000)
         await self.scheduler.update(CycleOutcome(1, (self.model,), (m.ItemDone(1, create.request_id, created, None),),
                                                  aborted=False))
@@ -291,6 +292,21 @@ async def test_a_row_accepted_for_more_workers_than_remain_waits_for_them(schedu
     assert await scheduled.tick() == () and scheduled.notices() == notices  # told once
     scheduled.live.append(gone)
     assert [type(item.op) for item in await scheduled.tick()] == [m.ForwardBackward]  # two workers: it runs
+
+
+async def test_a_model_whose_attention_is_not_bios_s_trains_rows_one_worker_holds(scheduled):
+    """A worker reports at load that the model does not run Bios's attention (Falcon, Gemma 4, ...): its long
+    rows cannot split, so a row only two workers hold split is refused at acceptance, saying why, and the plan
+    shown says one worker's length."""
+    run = await scheduled.created(splits_long_rows=False)
+    planner, plan = scheduled.scheduler.planner, scheduled.scheduler.planner.plans[scheduled.model]
+    alone, two = plan.longest_row(1), plan.longest_row(2)
+    assert planner.longest_row(scheduled.model) == alone < two
+    assert f"rows of <= {alone} tokens" in planner.describe(scheduled.model)
+    with pytest.raises(BadRequestError, match=f"data\\[0\\] has {two} tokens.*at most {alone} tokens on one worker "
+                       "\\(its attention is not Bios's"):
+        await scheduled.submit(m.ForwardBackward(run, 1, [random_datum(two)], "cross_entropy"))
+    await scheduled.submit(m.ForwardBackward(run, 2, [random_datum(alone)], "cross_entropy"))  # one worker's: taken
 
 
 async def test_samples_whose_caches_do_not_fit_together_are_decoded_in_separate_cycles(scheduled):

@@ -68,6 +68,7 @@ class PoolPlanner:
         self.waiting: dict[str, t.LoraConfig] = {}  # base models whose runs came before any worker
         self.placement = Placement()
         self.base_of: dict[str, str] = {}  # run (model id) -> its base model, kept by the scheduler
+        self.whole_rows: set[str] = set()  # base models whose long rows run whole on one worker (`loaded`)
         self._ran: deque[tuple[float, str, int]] = deque()  # (when, base model, tokens) of recent cycles
         self._moved_at = float("-inf")
 
@@ -223,6 +224,8 @@ class PoolPlanner:
         if plan is None:
             return self.notes.get(base_model)
         shown = dataclasses.replace(plan, replicas=group.replicas) if group is not None else plan
+        if self._split_over(base_model) == 1:  # its rows as long as one worker holds
+            shown = dataclasses.replace(shown, longest_rows=plan.longest_rows[:1])
         return shown.describe() + (" (halved after a worker died)" if base_model in self.halved else "")
 
     def longest_row(self, base_model: str, *, splits: bool = True, forward_only: bool = False) -> int | None:
@@ -234,11 +237,19 @@ class PoolPlanner:
             return None
         return plan.longest_row(self._split_over(base_model) if splits else 1, forward_only=forward_only)
 
+    def loaded(self, base_model: str, info: t.BaseModelInfo) -> None:
+        """A worker loaded `base_model`: whether its long rows split over workers (it runs Bios's attention)."""
+        if info.splits_long_rows is False:
+            self.whole_rows.add(base_model)
+        else:
+            self.whole_rows.discard(base_model)
+
     def _split_over(self, base_model: str) -> int:
         """How many workers a long row of `base_model` is split over: its group's replicas, without tensor
-        parallelism (else one)."""
+        parallelism, when the model runs Bios's attention (else one)."""
         group = self.placement.group_of_model(base_model)
-        return group.replicas if group is not None and group.tp == 1 else 1
+        splits = group is not None and group.tp == 1 and base_model not in self.whole_rows
+        return group.replicas if splits else 1
 
     def longest_rows(self, *, forward_only: bool = False) -> dict[str, int]:
         return {name: longest for name in self.plans
@@ -261,8 +272,10 @@ class PoolPlanner:
             if longest is None or length <= longest:
                 continue
             replicas = self._split_over(base_model)
-            how = (f"split over its {replicas} worker(s)" if splits and replicas > 1 else "on one worker" if splits
-                   else "on one worker (its loss or its images need the whole row on one worker)")
+            how = (f"split over its {replicas} worker(s)" if splits and replicas > 1
+                   else "on one worker (its loss or its images need the whole row on one worker)" if not splits
+                   else "on one worker (its attention is not Bios's, which splits rows)"
+                   if base_model in self.whole_rows else "on one worker")
             runs = "runs forward-only rows" if forward_only else "trains rows"
             return index, (f"data[{index}] has {length} tokens, and {base_model} {runs} of at most {longest} "
                            f"tokens {how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation "

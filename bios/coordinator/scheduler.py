@@ -90,6 +90,8 @@ class Scheduler(Actor):
         restored = restore(self.store, self.codec, self.admission)
         self.runs, self.samplers.by_id, self.samples = restored.runs, restored.samplers, restored.samples
         self.autosave.steps, self.base_infos = restored.steps, restored.infos
+        for base_model, info in self.base_infos.items():
+            self.planner.loaded(base_model, info)
         for request_id, op, error in restored.failed:
             await self.results.deliver(request_id, op, None, error)
         for base_model, exc in self.planner.plan_runs(list(self.runs.values())).items():
@@ -393,6 +395,7 @@ class Scheduler(Actor):
             elif isinstance(result, m.ModelCreated):
                 run.info, run.status, run.lora_targets = result.info, "ready", result.lora_targets
                 self.base_infos[run.base_model] = result.info
+                self.planner.loaded(run.base_model, result.info)
                 self.store.set_run_status(run.model_id, "ready", dataclasses.asdict(result.info))
         return m.ItemDone(done.cycle_id, request_id, result, error)
 

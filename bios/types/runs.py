@@ -138,4 +138,7 @@ class BaseModelInfo:
     num_parameters: int
     eos_token_id: int | None = None
     base_dtype: str | None = None  # as the workers hold the frozen weights, once one has loaded them
+    # Whether a row longer than a pass may be split over a group's workers (the model runs Bios's attention,
+    # `bios.worker.attention`), once a worker has loaded it; None: not known yet
+    splits_long_rows: bool | None = None
     vision: VisionConfig | None = None  # a vision-language model's image geometry; None: text only

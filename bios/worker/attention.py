@@ -30,12 +30,19 @@ def use_bios_attention(model: nn.Module) -> bool:
     """Switch `model` to Bios's attention if it runs SDPA; whether it now runs Bios's attention."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    current = getattr(model.config, "_attn_implementation", None)
-    if current == "sdpa" and not _tests_for_sdpa_by_name(model):
+    if not runs_bios_attention(model) and can_use_bios_attention(model):
         AttentionInterface.register(ATTENTION, cpu_attention)
         AttentionMaskInterface.register(ATTENTION, packed_sdpa_mask)
         model.set_attn_implementation(ATTENTION)  # a model outside AttentionInterface keeps its own (a warning)
     return runs_bios_attention(model)
+
+
+def can_use_bios_attention(model: nn.Module) -> bool:
+    """Whether `use_bios_attention` switches `model` to Bios's attention (or has): it runs SDPA, and its code
+    does not test the implementation's name. The coordinator learns it at load (`BaseModelInfo.splits_long_rows`):
+    only such a model's long rows split over workers."""
+    current = getattr(model.config, "_attn_implementation", None)
+    return current == ATTENTION or (current == "sdpa" and not _tests_for_sdpa_by_name(model))
 
 
 def runs_bios_attention(model: nn.Module) -> bool:

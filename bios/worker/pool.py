@@ -22,6 +22,7 @@ from bios.models import LoadedModel, UnknownModelError, load_base_model, load_to
 from bios.models import resolve_model_dir
 
 from .adapter_kinds import Adapter, adapter_kind
+from .attention import can_use_bios_attention
 from .lora import attach_lora
 from .memory_plan import disable_activation_checkpointing, enable_activation_checkpointing
 from .targets import target_groups
@@ -93,7 +94,8 @@ class ModelPool:
                     raise BadRequestError(str(exc), field="base_model") from None
                 attach_lora(loaded.model)
                 weights = loaded.model.get_input_embeddings().weight
-                loaded.info = replace(loaded.info, base_dtype=str(weights.dtype).removeprefix("torch."))
+                loaded.info = replace(loaded.info, base_dtype=str(weights.dtype).removeprefix("torch."),
+                                      splits_long_rows=can_use_bios_attention(loaded.model))
                 self.bases[name] = loaded
                 self._shards[name] = (self.tp, self.tp_rank)
                 self._checkpoint_as_planned(name)
