@@ -94,8 +94,8 @@ def main() -> None:
         diffs = [abs(one["adapters"][who][k] - five["adapters"][who][k]).ravel() for k in one["adapters"][who]]
         largest, off = max(float(d.max()) for d in diffs), sum(int((d > LR / 2).sum()) for d in diffs)
         print(f"{who}: {len(pairs)} steps, largest loss difference {loss:.1e} (relative); against one worker the "
-              f"largest weight difference is {largest:.1e}, and {off} of {sum(d.size for d in diffs)} weights differ by "
-              f"more than lr/2")
+              f"largest weight difference is {largest:.1e}, and {off} of {sum(d.size for d in diffs)} weights "
+              "differ by more than lr/2")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def test_the_longest_planned_row_trains_under_budget_and_a_longer_one_is_refused
         assert longest is not None and 4096 < longest < LONG_SHAPE["max_position_embeddings"], info.memory_plan
         assert f"rows of <= {longest} tokens" in info.memory_plan
         status = svc.cluster_status()  # what `bios status` and the console show
-        assert f"rows of <= {longest} tokens (forward only: <= {info.longest_forward_row} tokens)" in status.plans[model]
+        forward = info.longest_forward_row
+        assert f"rows of <= {longest} tokens (forward only: <= {forward} tokens)" in status.plans[model]
         assert (status.longest_rows[model], status.longest_forward_rows[model]) == (longest, info.longest_forward_row)
         with pytest.raises(BadRequestError) as refused:
             tc.forward_backward([random_datum(100), random_datum(longest + 1)]).result(60)
