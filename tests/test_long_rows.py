@@ -33,7 +33,7 @@ from bios.coordinator.membership import Member
 from bios.coordinator.scheduler import Scheduler, Submit
 from bios.coordinator.store import Store
 from bios.models.long_rows import MLP_CHUNK_TOKENS
-from bios.models.memory_plan import USABLE_FRACTION, MiB, ModelShape, choose_plan, estimate, longest_row
+from bios.models.memory_plan import USABLE_FRACTION, MiB, ModelShape, choose_plan, estimate, longest_row, model_shape
 from bios.types import Datum, LoraConfig, ModelInput
 from bios.wire import make_codec
 from bios.worker import memory_plan
@@ -47,6 +47,7 @@ FP32 = {"BIOS_BASE_DTYPE": "float32"}
 # runtime goes (360-400 MiB: a clean clone's measured more than a working tree's)
 SPLIT_LIMIT = 700 * MiB
 SPLIT_ROW = 6000  # tokens: more than one worker of SPLIT_LIMIT holds, less than two hold split
+FORWARD_ROW = 11000  # tokens: more than one worker of SPLIT_LIMIT runs forward-only (10.5k), less than two do split
 PARAMS = bios.types.AdamParams(learning_rate=1e-3)
 
 
@@ -65,6 +66,15 @@ def test_the_longest_row_fits_the_budget_with_checkpointing_and_one_token_more_d
     # Two workers split a row: each holds half its tokens' activations, and the whole row's attention tensors
     assert sized(batch_tokens=two // 2 + 1).total < sized(batch_tokens=one).total
     assert f"rows of <= {four} tokens" in plan.describe()  # the plan over its 4 replicas
+    # A forward-only row builds no graph: longer still, alone and split (on smaller workers: at LIMIT one runs
+    # the whole context alone)
+    small = choose_plan(shape, SPLIT_LIMIT, lora_rank=8, batch_tokens=4096, workers=4, allow_bf16=False,
+                        max_batch_tokens=16384, overhead_bytes=360 * MiB)
+    forward = [small.longest_row(r, forward_only=True) for r in (1, 2)]
+    assert small.longest_row(1) < forward[0] < forward[1] < shape.max_context_length
+    assert small.longest_row(2) < forward[1]
+    assert longest_row(partial(sized, forward_only=True), USABLE_FRACTION * SPLIT_LIMIT, small.batch_tokens,
+                       shape.max_context_length, shape, replicas=2) == forward[1]
     # More memory, longer rows, up to the model's context and never below the plan's own pass
     assert longest_row(sized, USABLE_FRACTION * 4 * LIMIT, 4096, 16384) == 16384
     assert longest_row(sized, USABLE_FRACTION * LIMIT / 2, 4096, 16384) == 4096
@@ -198,11 +208,13 @@ def long_model(tmp_path_factory) -> str:
 SPLIT_BATCH = [random_datum(300, seed=1), random_datum(SPLIT_ROW, seed=2), random_datum(500, seed=3)]
 
 
-def one_step(svc, model: str) -> tuple[float, list[np.ndarray], dict]:
+def one_step(svc, model: str) -> tuple[float, list[np.ndarray], dict, np.ndarray]:
+    """A step on SPLIT_BATCH: its loss and log-probs, the adapter after it, and then a forward of FORWARD_ROW."""
     tc = svc.create_lora_training_client(model, rank=8, seed=7)
     output = tc.forward_backward(SPLIT_BATCH).result(600)
     tc.optim_step(PARAMS).result(60)
-    return output.loss, [r["logprobs"].to_numpy() for r in output.loss_fn_outputs], saved_adapter(svc, tc)
+    forward = tc.forward([random_datum(FORWARD_ROW, seed=4)]).result(600).loss_fn_outputs[0]["logprobs"].to_numpy()
+    return output.loss, [r["logprobs"].to_numpy() for r in output.loss_fn_outputs], saved_adapter(svc, tc), forward
 
 
 @pytest.fixture(scope="module")
@@ -220,12 +232,18 @@ def test_a_row_longer_than_one_worker_holds_trains_split_over_the_group_and_equa
     with bios.LocalCluster(workers=workers, worker_threads=1, worker_memory_limit=SPLIT_LIMIT, env=FP32) as cluster, \
             bios.ServiceClient(address=cluster.address) as svc:
         wait_for_workers(svc, workers)
-        loss, logprobs, weights = one_step(svc, long_model)
-        plan = svc.cluster_status().plans[long_model]
-        longest = svc.cluster_status().longest_rows[long_model]
+        loss, logprobs, weights, forward = one_step(svc, long_model)
+        status = svc.cluster_status()
+        plan, longest, forward_longest = (status.plans[long_model], status.longest_rows[long_model],
+                                          status.longest_forward_rows[long_model])
         peaks = [_peak_rss(worker.pid) for worker in cluster.workers]
     one_worker = int(plan.split("tokens per pass")[0].rsplit("<= ", 1)[1])  # one worker's longest: its pass here
     assert one_worker < SPLIT_ROW <= longest, plan  # a row no worker holds alone, which the group holds split
+    # a forward-only row that no worker runs alone (its estimate: 10.5k here), split over the group too
+    alone = choose_plan(model_shape(long_model), SPLIT_LIMIT, lora_rank=8, batch_tokens=4096, workers=1,
+                        allow_bf16=False, overhead_bytes=360 * MiB).longest_row(1, forward_only=True)
+    assert alone < FORWARD_ROW <= forward_longest, (alone, forward_longest)
+    np.testing.assert_allclose(forward, unconstrained[3], rtol=1e-5, atol=1e-5)
     assert loss == pytest.approx(unconstrained[0], rel=1e-5)
     for got, want in zip(logprobs, unconstrained[1], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

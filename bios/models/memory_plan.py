@@ -113,7 +113,7 @@ class Plan:
     # The longest row a worker trains under this plan, over 1, 2, ... replicas: a row longer than `batch_tokens`
     # runs alone in a checkpointed pass, or split over the replicas (`longest_row`); () where unbounded (tests).
     longest_rows: tuple[int, ...] = ()
-    longest_forward_row: int | None = None  # the longest row a worker runs forward only (no graph), alone
+    longest_forward_rows: tuple[int, ...] = ()  # the same for a request that trains nothing (no graph)
     kv_bytes_per_token: int = 0  # a decode's key/value cache per row and position (`kv_cache_bytes`); 0: unknown
     decode_bytes: int = 0  # what a decode holds besides its cache: base, adapters, runtime, a prefill pass
 
@@ -127,11 +127,13 @@ class Plan:
 
     def longest_row(self, replicas: int = 1, *, forward_only: bool = False) -> int | None:
         """The longest row over `replicas` replicas of this plan (None: unbounded); `forward_only`: of a request
-        that trains nothing, which may also run alone on one worker without a graph."""
+        that trains nothing, which builds no graph."""
         if not self.longest_rows:
             return None
         training = self.longest_rows[min(replicas, len(self.longest_rows)) - 1]
-        return max(training, self.longest_forward_row or 0) if forward_only else training
+        if not (forward_only and self.longest_forward_rows):
+            return training
+        return max(training, self.longest_forward_rows[min(replicas, len(self.longest_forward_rows)) - 1])
 
     @property
     def name(self) -> str:
@@ -148,8 +150,8 @@ class Plan:
             f"{self.name}: {layout}, {self.dtype} base weights, activation checkpointing "
             f"{'on' if self.activation_checkpointing else 'off'}, <= {self.batch_tokens} tokens per pass"
             + (f", rows of <= {self.longest_row(self.replicas)} tokens" if self.longest_rows else "")
-            + (f" (forward only: <= {forward} tokens)"
-               if (forward := self.longest_forward_row or 0) > (self.longest_row(self.replicas) or forward) else "")
+            + (f" (forward only: <= {forward} tokens)" if (forward := self.longest_row(
+                self.replicas, forward_only=True) or 0) > (self.longest_row(self.replicas) or forward) else "")
             + f"; {self.estimate.describe()} per worker of {_gib(self.budget_bytes)}"
         )
 
@@ -254,15 +256,14 @@ def choose_plan(
                             break
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
                     long_pass = partial(sized, activation_checkpointing=True, mlp_chunk=MLP_CHUNK_TOKENS)
-                    alone = partial(longest_row, long_pass,
-                                    USABLE_FRACTION * budget_bytes, plan.batch_tokens, shape.max_context_length, shape)
+                    rows = partial(longest_row, usable_bytes=USABLE_FRACTION * budget_bytes, fits=plan.batch_tokens,
+                                   context=shape.max_context_length, shape=shape)
                     most = max_replicas if tp == 1 else 1
-                    forward = longest_row(partial(long_pass, forward_only=True), USABLE_FRACTION * budget_bytes,
-                                          plan.batch_tokens, shape.max_context_length, shape)
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
                     prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
-                    return replace(plan, longest_rows=tuple(alone(replicas=r) for r in range(1, most + 1)),
-                                   longest_forward_row=forward,
+                    return replace(plan, longest_rows=tuple(rows(long_pass, replicas=r) for r in range(1, most + 1)),
+                                   longest_forward_rows=tuple(rows(partial(long_pass, forward_only=True), replicas=r)
+                                                              for r in range(1, most + 1)),
                                    kv_bytes_per_token=kv_cache_bytes(shape, 1, 1, tp), decode_bytes=prefill.total)
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []

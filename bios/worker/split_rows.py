@@ -10,7 +10,6 @@ each row gathers from all of them. A long row that does not split runs alone on 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -39,7 +38,8 @@ def forward_backward_share(model: torch.nn.Module, item: engine.ForwardItem, ind
                            share: SequenceShare) -> Share:
     """This replica's share of datum `index` of `item`: the log-probs at its positions (`share.positions`), its
     part of the loss and of the metrics; gradients into the adapter's pending_grad unless forward-only. The
-    pass is checkpointed, as a long row's pass alone on one worker is."""
+    pass is checkpointed, with chunked MLPs, as a long row's pass alone on one worker is (forward-only too: the
+    planner sized its rows with chunked MLPs, `bios.models.long_rows`)."""
     one = dataclasses.replace(item, data=[item.data[index]])
     [row] = engine.prepare_rows([one], None)
     positions, length = share.positions, row.tokens.numel()
@@ -49,7 +49,7 @@ def forward_backward_share(model: torch.nn.Module, item: engine.ForwardItem, ind
                                inputs=inputs)
     backward = not item.forward_only
     attach_lora(model)
-    with splitting(share), checkpointed(model) if backward else contextlib.nullcontext():
+    with splitting(share), checkpointed(model):
         logprobs, losses, metrics = engine.run_pass(model, [mine], [one], backward=backward, reader=None,
                                                     packs=False, positions=positions)
     return logprobs[0], losses[0], metrics[0]
