@@ -62,6 +62,26 @@ def test_models_that_fit_together_share_a_worker_when_workers_are_scarce():
     assert placement.groups[0].models == ("A", "B") and placement.groups[0].workers == ("w1",)
 
 
+def test_a_shared_model_gets_a_group_of_its_own_once_a_second_replica_holds_its_runs_state():
+    """Workers join a shared group as replicas; once a generation of them formed (they hold both models' runs'
+    state), the model that came second leaves with the newest replicas, as many as its share of the work."""
+    needs = [ModelNeed("A", plan(0.8), demand=3.0), ModelNeed("B", plan(0.8), demand=1.0)]
+    shared = place({"w1": BUDGET}, needs, place({"w1": BUDGET}, needs[:1]))
+    grown = place(FOUR, needs, shared)
+    assert [(g.models, g.workers) for g in grown.groups] == [(("A", "B"), ("w1", "w2", "w3", "w4"))]  # joining
+    formed = grown.formed("A", ("w1", "w2", "w3", "w4"))
+    split = place(FOUR, needs, formed)
+    assert [(g.group_id, g.models, g.workers) for g in split.groups] == [("A", ("A",), ("w1", "w2", "w3")),
+                                                                         ("B", ("B",), ("w4",))]
+    assert any("B leaves A's group for one of its own on w4" in why for why in split.reasons), split.reasons
+    assert place(FOUR, needs, split).layout() == split.layout()  # and it stays so
+    # Only formed replicas go: a newcomer still joining holds nothing yet; and never the group's first replica
+    assert len(place(FOUR, needs, grown.formed("A", ("w1",))).groups) == 1
+    two = place({"w1": BUDGET, "w2": BUDGET}, needs, shared)
+    assert [g.workers for g in place({"w1": BUDGET, "w2": BUDGET}, needs, two.formed("A", ("w1", "w2"))).groups] == [
+        ("w1",), ("w2",)]
+
+
 def test_a_model_blocked_by_live_runs_says_who_holds_the_workers():
     first = place({"w1": BUDGET, "w2": BUDGET}, [S])
     second = place({"w1": BUDGET, "w2": BUDGET}, [S, L], first)

@@ -150,3 +150,35 @@ def test_three_models_that_fit_one_worker_each_but_not_together_get_a_worker_eac
             peak = _peak_rss(worker.pid)
             assert peak <= worker.memory_bytes == limit, (
                 f"{worker.worker_id} peaked at {peak / 2**30:.2f} GiB over its {limit / 2**30:.2f} GiB budget")
+
+
+def test_a_model_sharing_a_worker_gets_its_own_once_another_holds_its_runs_and_loses_nothing(service):
+    """One worker: two base models share it. A second worker joins their group as a replica, then the model
+    that came second moves to it with its runs' state (the mover holds its adapters as last committed: no
+    checkpoint is read), and both runs train on, equal to one unconstrained worker."""
+    other = "bios/tiny-qwen3"
+    want = {}
+    for model in (BASE, other):
+        tc = service.create_lora_training_client(model, rank=RANK, seed=SEED)
+        want[model] = _train(tc, 3), saved_adapter(service, tc)
+    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        wait_for_workers(svc, 1)
+        runs = {model: svc.create_lora_training_client(model, rank=RANK, seed=SEED) for model in (BASE, other)}
+        losses = {model: _train(tc, 1) for model, tc in runs.items()}
+        assert [g.models for g in svc.cluster_status().groups] == [[BASE, other]]  # one worker: they share it
+        cluster.add_worker()
+        _until(lambda: [len(g.formed) for g in svc.cluster_status().groups] == [2], "the newcomer never joined")
+        for model, tc in runs.items():
+            losses[model] += _train(tc, 1)  # work arriving looks at the placement again: the second model moves
+        _until(lambda: sorted(len(g.formed) for g in svc.cluster_status().groups) == [1, 1], "the model never moved")
+        for model, tc in runs.items():
+            losses[model] += _train(tc, 1)
+        groups = _groups(svc)
+        assert set(groups) == {(BASE,), (other,)} and not set(groups[(BASE,)].formed) & set(groups[(other,)].formed)
+        assert any(f"{other} leaves" in note for note in svc.cluster_status().placement_notes)
+        got = {model: saved_adapter(svc, tc) for model, tc in runs.items()}
+        log = cluster.log_path("coordinator").read_text()
+    assert "which holds it as its last group committed it" in log and "restores from" not in log, log[-3000:]
+    for model in (BASE, other):
+        assert losses[model] == pytest.approx(want[model][0], rel=1e-5)
+        assert_same_weights(got[model], want[model][1])

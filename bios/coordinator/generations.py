@@ -103,8 +103,11 @@ class GenerationFormer:
         if aborted:
             for op in ops.values():
                 self.committed.pop(op.target, None)
+            self.roster.unknown([op.target for op in ops.values()])
         elif self.ranked and self.layout.tp == 1:
-            self.committed.update(checksums.get(self.ranked[0].worker_id, {}))
+            done = checksums.get(self.ranked[0].worker_id, {})
+            self.committed.update(done)
+            self.roster.committed([mb.worker_id for mb in self.ranked], done)
         return dict(self.committed)
 
     def abort_members(self, state: Abortable, generation: int, reason: str) -> None:
@@ -188,6 +191,8 @@ class GenerationFormer:
         # group's workers are gone). They come from their checkpoints.
         unheld = adapters if source_tp is None else [
             spec for spec in adapters if self.layout.models and spec.base_model not in self.layout.models]
+        sources = self._sources_elsewhere(ranked, unheld) if layout.tp == 1 else {}
+        unheld = [spec for spec in unheld if spec.model_id not in sources]
         restore: dict[str, m.CheckpointState] = {}
         if unheld:
             kept, restore = self._restore_from_checkpoints(unheld)
@@ -202,7 +207,7 @@ class GenerationFormer:
             await self.send(member.peer, m.Reconfigure(generation, rank, len(ranked), master.store_host,
                                                        master.store_port, self.join_timeout_s, adapters,
                                                        restore, layout.tp, source_tp or layout.tp, list(layout.plans),
-                                                       self.epoch, self.collective_timeout_s))
+                                                       self.epoch, self.collective_timeout_s, sources))
         try:
             await asyncio.wait_for(forming.done.wait(), RECONFIGURE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -222,11 +227,22 @@ class GenerationFormer:
         self.holders = {mb.worker_id for mb in ranked}
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
+        self.roster.formed(list(self.holders), self.committed)
         self.scheduler.tell(Scheduler.formed, self.group_id, tuple(mb.worker_id for mb in ranked), layout.models,
                             dict(self.committed))
         self._join_failures.clear()
         log.info("%s: generation %d formed: %s", self.group_id, generation, ", ".join(mb.worker_id for mb in ranked))
         return True
+
+    def _sources_elsewhere(self, ranked: list[Member], unheld: list[m.AdapterSpec]) -> dict[str, int]:
+        """The adapters no holder of this group provides that a member holds as last committed in another group
+        (`Roster.source`: its base model moved here with it), each with that member's rank."""
+        workers = [mb.worker_id for mb in ranked]
+        found = {spec.model_id: source for spec in unheld if (source := self.roster.source(spec.model_id, workers))}
+        for model_id, source in found.items():
+            log.info("%s: %s comes from %s, which holds it as its last group committed it", self.group_id, model_id,
+                     source)
+        return {model_id: workers.index(source) for model_id, source in found.items()}
 
     def _adopt_rejoined(self, members: list[Member], adapters: list[m.AdapterSpec]) -> None:
         """No survivor holds the state, but a worker that registered again (after it was declared dead while

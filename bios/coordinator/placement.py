@@ -15,7 +15,9 @@ workers, so nobody reloads and every adapter keeps a holder) and:
   from replicas other groups can spare (a donor keeps at least one replica, and so a holder of every shard),
   else inside a group of the same size whose workers hold it too; else the model stays unplaced, with why;
 - hands idle workers to the groups, a whole replica at a time, the busiest group (queued work per replica)
-  first; a worker that can hold nothing waits (parked), with why.
+  first; a worker that can hold nothing waits (parked), with why;
+- gives a model that shares an unsplit group a group of its own once two of the group's replicas hold its runs'
+  state (`_unshare`): the workers that move take its adapters with them.
 
 A group keeps its tensor-parallel size while it lives: its runs' adapters are cut that way (re-cutting them is
 not built), and a model's plan only chooses the size when its group is made.
@@ -50,6 +52,7 @@ class Group:
     models: tuple[str, ...]
     workers: tuple[str, ...]  # rank order of the last placement: holders first, newcomers after
     tp: int
+    formed: tuple[str, ...] = ()  # the workers of its last generation formed: they hold its runs' state
 
     @property
     def replicas(self) -> int:
@@ -84,7 +87,8 @@ class Placement:
         """This placement with `group_id`'s workers in the rank order its runner formed them (replica r is
         ranks r*tp .. r*tp+tp-1, one holder of each shard), so spare replicas are taken whole."""
         groups = tuple(dataclasses.replace(g, workers=(*[w for w in ranked if w in g.workers],
-                                                       *[w for w in g.workers if w not in ranked]))
+                                                       *[w for w in g.workers if w not in ranked]),
+                                           formed=tuple(ranked))
                        if g.group_id == group_id else g for g in self.groups)
         return dataclasses.replace(self, groups=groups)
 
@@ -121,13 +125,15 @@ class _Group:
     models: list[str]
     workers: list[str]
     tp: int
+    formed: tuple[str, ...] = ()
 
     @property
     def replicas(self) -> int:
         return len(self.workers) // self.tp
 
     def frozen(self) -> Group:
-        return Group(self.group_id, tuple(self.models), tuple(self.workers), self.tp)
+        return Group(self.group_id, tuple(self.models), tuple(self.workers), self.tp,
+                     tuple(w for w in self.formed if w in self.workers))
 
 
 @dataclass
@@ -176,6 +182,7 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
         if len(group.workers) < group.tp:
             _fill(state, group)
     _hand_out_idle(state)
+    _unshare(state)
     moved = rebalance and _rebalance(state)
     parked = _parked(state)
     return Placement(tuple(g.frozen() for g in state.groups), tuple(sorted(parked.items())),
@@ -195,7 +202,7 @@ def _keep(state: _Placing, current: Placement) -> None:
             state.reasons.append(f"{', '.join(gone)} left {group.group_id}'s group")
         if not workers:  # nobody holds its runs' state any more: it is placed anew, as its plan is now
             continue
-        state.groups.append(_Group(group.group_id, models, workers, group.tp))
+        state.groups.append(_Group(group.group_id, models, workers, group.tp, group.formed))
     held = {w for g in state.groups for w in g.workers}
     state.idle = sorted((w for w in state.budgets if w not in held), key=lambda w: (-state.budgets[w], w))
 
@@ -293,6 +300,28 @@ def _hand_out_idle(state: _Placing) -> None:
         group.workers.extend(joining)
         state.reasons.append(f"{', '.join(joining)} join {group.group_id}'s group as a replica "
                              f"(its work: {_share(state, group)} of the cluster's)")
+
+
+def _unshare(state: _Placing) -> None:
+    """A base model that shares an unsplit group (workers were scarce when it came) gets a group of its own once
+    the group has two replicas whose workers hold its runs' state: the newest ones, as many as its share of the
+    group's work (at least one, the group keeping at least one). Its adapters go with those workers (they hold
+    them as last committed: `bios.coordinator.roster`), so its runs stop waiting for the others' cycles."""
+    for group in list(state.groups):
+        if len(group.models) < 2 or group.tp != 1:
+            continue
+        holding = [w for w in group.workers[1:] if w in group.formed]
+        if not holding:
+            continue
+        name, total = group.models[-1], state.demand(group)
+        share = state.needs[name].demand / total if total else 0.5
+        count = min(len(holding), max(1, round(share * group.replicas)), group.replicas - 1)
+        moving = holding[-count:]
+        group.models.remove(name)
+        group.workers[:] = [w for w in group.workers if w not in moving]
+        state.groups.append(_Group(name, [name], moving, 1))
+        state.reasons.append(f"{name} leaves {group.group_id}'s group for one of its own on {', '.join(moving)}, "
+                             f"which hold its runs' state ({len(group.workers)} worker(s) keep {group.group_id})")
 
 
 def _share(state: _Placing, group: _Group) -> str:

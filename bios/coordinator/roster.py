@@ -1,10 +1,14 @@
-"""What the groups' cycle runners share: which worker each is busy with, one numbering of generations, and a
-change signal.
+"""What the groups' cycle runners share: which worker each is busy with, one numbering of generations, which
+worker holds which adapter as last committed, and a change signal.
 
 The placement moves a worker from one group to another at once, but the worker may still be inside the old
 group's cycle or formation: the new group takes it only when the old one has let it go (`busy_elsewhere`).
 Generation numbers come from one counter (cycle ids from the scheduler's), so a late report from a worker that
 changed groups never matches the new group's generation or cycle.
+
+A worker that changes groups with a base model (the placement moves the model out of a group it shared) still
+holds that model's adapters as its old group last committed them: the new group takes them from it
+(`source`) instead of from checkpoints, so nothing trained since the last checkpoint is lost.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class Roster:
         self._generations = itertools.count(1)
         self._busy: dict[str, str] = {}  # worker id -> the group running a cycle or formation with it
         self._wanted: set[str] = set()  # busy workers another group waits for
+        self._committed: dict[str, float] = {}  # whole adapter -> its checksum as its group last committed it
+        self._held: dict[str, dict[str, float]] = {}  # worker -> the whole adapters it holds, as it committed them
 
     def next_generation(self) -> int:
         return next(self._generations)
@@ -47,6 +53,31 @@ class Roster:
         if busy:
             self._wanted.add(worker_id)
         return busy
+
+    def formed(self, workers: list[str], checksums: dict[str, float]) -> None:
+        """A generation of `workers` formed holding exactly these whole adapters ({} under tensor parallelism:
+        a shard is no whole adapter's source)."""
+        self._committed.update(checksums)
+        for worker in workers:
+            self._held[worker] = dict(checksums)
+
+    def committed(self, workers: list[str], checksums: dict[str, float]) -> None:
+        """A cycle of `workers` committed these whole adapters."""
+        self._committed.update(checksums)
+        for worker in workers:
+            self._held.setdefault(worker, {}).update(checksums)
+
+    def unknown(self, model_ids: list[str]) -> None:
+        """A cycle that trained these aborted: what its members hold is unknown until their group forms again."""
+        for model_id in model_ids:
+            self._committed.pop(model_id, None)
+
+    def source(self, model_id: str, workers: list[str]) -> str | None:
+        """The first of `workers` holding `model_id` whole as last committed, if any."""
+        want = self._committed.get(model_id)
+        if want is None:
+            return None
+        return next((worker for worker in workers if self._held.get(worker, {}).get(model_id) == want), None)
 
     def changed(self, why: str) -> None:
         """Something the runners form generations from changed: each looks whether its own group did."""

@@ -103,7 +103,8 @@ class Reconfigure:
     With `tp` > 1 the members form `world // tp` replicas of `tp` tensor-parallel shard holders (rank r is shard
     r % tp of replica r // tp) and every base model is split that way. `source_tp` is how the state's holders
     hold it: 1, whole on rank 0 (broadcast to everyone, each member keeps its slice); equal to `tp`, shard j on
-    rank j (broadcast to the other replicas' rank-j members)."""
+    rank j (broadcast to the other replicas' rank-j members). An adapter in `sources` comes whole from that
+    replica instead: a member that held it in another group (its base model moved here with that member)."""
 
     generation: int
     rank: int
@@ -119,6 +120,7 @@ class Reconfigure:
     epoch: str = ""  # the coordinator's incarnation: its generations' rendezvous keys are its own
     # How long a collective may wait for a peer that is alive but busier (`timeout_s` bounds joining only).
     collective_timeout_s: float = cluster_defaults.COLLECTIVE_TIMEOUT_S
+    sources: dict[str, int] = field(default_factory=dict)  # adapter -> the replica it comes from (else replica 0)
 
 
 @dataclass(frozen=True)

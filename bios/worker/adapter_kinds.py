@@ -103,12 +103,12 @@ class Adapter(ABC):
         """Drop this cycle's gradient contributions (an aborted cycle); the committed gradient is untouched."""
         engine.discard_gradients(self.state)
 
-    def take_from_first_replica(self, group: CollectiveGroup) -> None:
-        """Become replica 0's copy (its holder of the same state): params, committed gradient, moments, step."""
+    def take_from_replica(self, group: CollectiveGroup, replica: int = 0) -> None:
+        """Become `replica`'s copy (its holder of the same state): params, committed gradient, moments, step."""
         state = self.state
         step = torch.tensor([state.step], dtype=torch.int64)
         for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
-            group.broadcast_from_first_replica_(buffer)
+            group.broadcast_from_replica_(buffer, replica)
         state.step = int(step.item())
 
 
@@ -249,9 +249,9 @@ class ShardedAdapter(Adapter):
         load_into(full, checkpoint, with_optimizer=with_optimizer)
         copy_full_into_shard(full, shard, info)
 
-    def take_from_first_replica(self, group: CollectiveGroup) -> None:
+    def take_from_replica(self, group: CollectiveGroup, replica: int = 0) -> None:
         self.grad_norm = None  # every holder takes the norm afresh, in the same collectives
-        super().take_from_first_replica(group)
+        super().take_from_replica(group, replica)
 
 
 def _shared_seed(lora: t.LoraConfig) -> int:

@@ -215,11 +215,11 @@ class CollectiveGroup:
         if self.world > 1:
             self.guard(lambda: completed(dist.broadcast(tensor, src=src, async_op=True)))
 
-    def broadcast_from_first_replica_(self, tensor: torch.Tensor) -> None:
-        """Every replica takes the tensor of replica 0's member holding the same shard."""
+    def broadcast_from_replica_(self, tensor: torch.Tensor, replica: int = 0) -> None:
+        """Every replica takes the tensor of `replica`'s member holding the same shard."""
         if self.replicas > 1:
-            self.guard(lambda: completed(dist.broadcast(tensor, src=self.tp_rank, group=self.dp_group,
-                                                        async_op=True)))
+            src = replica * self.tp + self.tp_rank
+            self.guard(lambda: completed(dist.broadcast(tensor, src=src, group=self.dp_group, async_op=True)))
 
     def guard(self, fn: Any) -> Any:
         """Run `fn` (which runs collectives), turning a failure into a `CollectiveError`."""

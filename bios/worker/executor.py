@@ -261,7 +261,7 @@ class CycleExecutor:
 
     def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
         """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
-        shard (rank 0 without tensor parallelism), or its checkpoint."""
+        shard (rank 0 without tensor parallelism), the replica `msg.sources` names, or its checkpoint."""
         wanted = {held.model_id: held for held in msg.adapters}
         if msg.source_tp != msg.tp and any(held.model_id not in msg.restore for held in msg.adapters):
             raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
@@ -283,7 +283,7 @@ class CycleExecutor:
             adapter = self.pool.adapters[model_id]
             adapter.discard()
             if model_id not in msg.restore:
-                adapter.take_from_first_replica(self.group)
+                adapter.take_from_replica(self.group, msg.sources.get(model_id, 0))
         return self._checksums(wanted)
 
     def held_checksums(self, model_ids: Collection[str] | None = None) -> dict[str, float]:
