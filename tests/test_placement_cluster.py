@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BASE, assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
+from conftest import BASE, assert_same_weights, held, saved_adapter, text_datum, train_steps, wait_for_workers
 from tp_model import RANK, one_model_only_memory_limit, tp2_only_memory_limit, write_mid_model, write_tp_model
 
 import bios
@@ -152,33 +152,41 @@ def test_three_models_that_fit_one_worker_each_but_not_together_get_a_worker_eac
                 f"{worker.worker_id} peaked at {peak / 2**30:.2f} GiB over its {limit / 2**30:.2f} GiB budget")
 
 
-def test_a_model_sharing_a_worker_gets_its_own_once_another_holds_its_runs_and_loses_nothing(service):
-    """One worker: two base models share it. A second worker joins their group as a replica, then the model
-    that came second moves to it with its runs' state (the mover holds its adapters as last committed: no
-    checkpoint is read), and both runs train on, equal to one unconstrained worker."""
-    other = "bios/tiny-qwen3"
+def test_a_model_sharing_a_worker_moves_to_workers_of_its_own_with_its_runs_state_through_a_sigkill(service):
+    """One worker: two base models share it. Two more join their group as replicas; the model that came second
+    (with most of the work) then moves to those two, taking its runs' state with them (they hold its adapters as
+    last committed: no checkpoint is read, and the cluster has none). One mover is SIGKILLed as the move starts:
+    the other is the source. Both runs train on, equal to one unconstrained worker."""
+    other, steps = "bios/tiny-qwen3", {BASE: (1, 1), "bios/tiny-qwen3": (3, 2)}  # before and after the join
     want = {}
-    for model in (BASE, other):
+    for model, (before, after) in steps.items():
         tc = service.create_lora_training_client(model, rank=RANK, seed=SEED)
-        want[model] = _train(tc, 3), saved_adapter(service, tc)
-    with bios.LocalCluster(workers=1, worker_threads=1) as cluster, bios.ServiceClient(address=cluster.address) as svc:
+        want[model] = _train(tc, before + after), saved_adapter(service, tc)
+    with bios.LocalCluster(workers=1, worker_threads=1, heartbeat_timeout_s=3.0) as cluster, \
+            bios.ServiceClient(address=cluster.address) as svc:
         wait_for_workers(svc, 1)
-        runs = {model: svc.create_lora_training_client(model, rank=RANK, seed=SEED) for model in (BASE, other)}
-        losses = {model: _train(tc, 1) for model, tc in runs.items()}
+        runs = {model: svc.create_lora_training_client(model, rank=RANK, seed=SEED) for model in steps}
+        losses = {model: _train(runs[model], before) for model, (before, _) in steps.items()}
         assert [g.models for g in svc.cluster_status().groups] == [[BASE, other]]  # one worker: they share it
         cluster.add_worker()
-        _until(lambda: [len(g.formed) for g in svc.cluster_status().groups] == [2], "the newcomer never joined")
-        for model, tc in runs.items():
-            losses[model] += _train(tc, 1)  # work arriving looks at the placement again: the second model moves
-        _until(lambda: sorted(len(g.formed) for g in svc.cluster_status().groups) == [1, 1], "the model never moved")
-        for model, tc in runs.items():
-            losses[model] += _train(tc, 1)
+        mover = cluster.add_worker()
+        _until(lambda: [len(g.formed) for g in svc.cluster_status().groups] == [3], "the newcomers never joined")
+        with held(mover):  # frozen in the move's formation (or in the shared group's last cycle with it)
+            step = train_steps(runs[other], BATCH, PARAMS, 1)  # work arriving looks at the placement again
+            time.sleep(0.5)
+            mover.send_signal(signal.SIGKILL)
+            mover.wait()
+        losses[other] += [step[0].result(180).loss]
+        step[1].result(180)
+        losses[BASE] += _train(runs[BASE], 1)
+        losses[other] += _train(runs[other], 1)
         groups = _groups(svc)
-        assert set(groups) == {(BASE,), (other,)} and not set(groups[(BASE,)].formed) & set(groups[(other,)].formed)
-        assert any(f"{other} leaves" in note for note in svc.cluster_status().placement_notes)
+        assert set(groups) == {(BASE,), (other,)}, groups
+        assert (len(groups[(BASE,)].formed), len(groups[(other,)].formed)) == (1, 1)  # the mover is gone
         got = {model: saved_adapter(svc, tc) for model, tc in runs.items()}
         log = cluster.log_path("coordinator").read_text()
+    assert f"placement: {other} leaves {BASE}'s group for one of its own" in log, log[-3000:]
     assert "which holds it as its last group committed it" in log and "restores from" not in log, log[-3000:]
-    for model in (BASE, other):
+    for model in steps:
         assert losses[model] == pytest.approx(want[model][0], rel=1e-5)
         assert_same_weights(got[model], want[model][1])
