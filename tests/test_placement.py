@@ -86,8 +86,13 @@ def test_a_model_blocked_by_live_runs_says_who_holds_the_workers():
     first = place({"w1": BUDGET, "w2": BUDGET}, [S])
     second = place({"w1": BUDGET, "w2": BUDGET}, [S, L], first)
     (model, why), = second.unplaced
-    assert model == "L" and "S holds w1, w2" in why
+    assert model == "L" and "S holds w1, w2" in why and "it waits for workers to join" in why
+    assert second.blocked == ("L",)  # it waits (accepted), where a model no worker can hold is refused
     assert second.group_of_model("S").workers == ("w1", "w2")  # nothing moved for a model that cannot go
+    assert place({"w1": BUDGET}, [S, L], place({"w1": BUDGET}, [S])).blocked == ()  # one worker: never fits
+    # workers join: it gets them (one replica of S stays)
+    third = place(FOUR, [S, L], second)
+    assert third.group_of_model("L").tp == 2 and not third.unplaced and third.group_of_model("S").workers
 
 
 def test_a_leave_replaces_from_spares_and_a_join_goes_to_the_busiest_group():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import assert_same_weights, saved_adapter, text_datum, train_steps, wait_for_workers
@@ -101,9 +102,11 @@ def test_a_model_too_big_for_one_worker_trains_over_two_like_one_worker(model_di
         assert logprobs == pytest.approx(samples[1], abs=1e-4)
 
 
-def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, model_dir, memory_limit):
+def test_a_model_that_fits_nowhere_is_refused_and_one_blocked_by_live_runs_waits_for_workers(
+        tmp_path, model_dir, memory_limit, reference, caplog):
     """Only config.json is read: the refusal comes before any worker loads anything. A model that would need the
-    pool split another way while other runs live there is refused too: their adapters are never lost to it."""
+    pool split another way while other runs live there waits, told why (their adapters are never lost to it),
+    and runs once workers join."""
     huge = tmp_path / "huge"
     huge.mkdir()
     (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -119,8 +122,20 @@ def test_a_model_that_fits_nowhere_is_refused_at_creation(tmp_path, model_dir, m
         assert "TP=3 needs 3 workers, the pool has 2" in message
         small = svc.create_lora_training_client("bios/tiny-llama", rank=RANK, seed=SEED)
         before = small.forward(BATCH).result(120).loss
-        with pytest.raises(BadRequestError, match="every worker that could hold it serves other live runs"):
-            svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)
+        with ThreadPoolExecutor(1) as pool:
+            creating = pool.submit(svc.create_lora_training_client, str(model_dir), rank=RANK, seed=SEED)
+            deadline = time.monotonic() + 60
+            while not any(note.startswith(f"{model_dir} waits: ") and "serves other live runs" in note
+                          for note in svc.cluster_status().placement_notes):  # as `bios status` shows it
+                assert time.monotonic() < deadline and not creating.done(), svc.cluster_status().placement_notes
+                time.sleep(0.1)
+            assert small.forward(BATCH).result(120).loss == before and not creating.done()
+            for _ in range(2):
+                cluster.add_worker()
+            big = creating.result(180)
+        told = [r.getMessage() for r in caplog.records if "it waits for a worker with room" in r.getMessage()]
+        assert told and "serves other live runs" in told[0], told  # the client's Notice, logged by the SDK
+        assert big.forward(BATCH).result(120).loss == pytest.approx(reference[0][0], rel=1e-5)
         assert small.forward(BATCH).result(120).loss == before
 
 

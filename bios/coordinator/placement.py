@@ -64,6 +64,7 @@ class Placement:
     groups: tuple[Group, ...] = ()
     parked: tuple[tuple[str, str], ...] = ()  # (worker id, why it holds nothing)
     unplaced: tuple[tuple[str, str], ...] = ()  # (base model, why no group holds it)
+    blocked: tuple[str, ...] = ()  # unplaced models that workers could hold, were they not serving other runs
     reasons: tuple[str, ...] = ()  # what this placement changed, and why
     rebalanced: bool = False  # a replica moved to follow the work (callers space such moves out)
 
@@ -173,11 +174,14 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
     _keep(state, current)
     placed = {name for group in state.groups for name in group.models}
     unplaced: dict[str, str] = {}
+    blocked: list[str] = []
     for need in sorted((n for n in needs if n.base_model not in placed),
                        key=lambda n: (-n.tp, -(n.plan.estimate.total if n.plan else 0), n.base_model)):
-        why = _place_model(state, need)
-        if why is not None:
-            unplaced[need.base_model] = why
+        missed = _place_model(state, need)
+        if missed is not None:
+            unplaced[need.base_model], only_by_runs = missed
+            if only_by_runs:
+                blocked.append(need.base_model)
     for group in state.groups:
         if len(group.workers) < group.tp:
             _fill(state, group)
@@ -186,7 +190,7 @@ def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Place
     moved = rebalance and _rebalance(state)
     parked = _parked(state)
     return Placement(tuple(g.frozen() for g in state.groups), tuple(sorted(parked.items())),
-                     tuple(sorted(unplaced.items())), tuple(state.reasons), moved)
+                     tuple(sorted(unplaced.items())), tuple(sorted(blocked)), tuple(state.reasons), moved)
 
 
 def _keep(state: _Placing, current: Placement) -> None:
@@ -207,9 +211,9 @@ def _keep(state: _Placing, current: Placement) -> None:
     state.idle = sorted((w for w in state.budgets if w not in held), key=lambda w: (-state.budgets[w], w))
 
 
-def _place_model(state: _Placing, need: ModelNeed) -> str | None:
+def _place_model(state: _Placing, need: ModelNeed) -> tuple[str, bool] | None:
     """Give `need` a group: its own (idle workers, then spare replicas), else a share of one; None when placed,
-    else why not."""
+    else why not, and whether only other runs' groups stand in its way (enough workers could hold it)."""
     name, tp = need.base_model, need.tp
     own = state.idle_for([name])[:tp]
     if len(own) < tp:
@@ -231,12 +235,12 @@ def _place_model(state: _Placing, need: ModelNeed) -> str | None:
     holders = [w for w in state.budgets if state.holds(w, [name])]
     if len(holders) < tp:
         return (f"{name} needs {tp} worker(s) with {smallest_budget([need.plan])} "
-                f"each; {len(holders)} such worker(s) are connected")
+                f"each; {len(holders)} such worker(s) are connected"), False
     busy = "; ".join(f"{g.group_id} holds {', '.join(g.workers)} ({g.replicas} replica(s) of {g.tp})"
                      for g in state.groups)
     return (f"{name} needs {tp} worker(s) to itself, or a group of {tp} whose workers hold it too, and every "
-            f"worker that could hold it serves other live runs ({busy}); their adapters are never moved or re-cut "
-            "for another run")
+            f"worker that could hold it serves other live runs ({busy}): it waits for workers to join or for "
+            "those runs to end (their adapters are not re-cut for another run)"), True
 
 
 def _spare(state: _Placing, models: list[str], count: int) -> list[str]:

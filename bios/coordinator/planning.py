@@ -74,8 +74,8 @@ class PoolPlanner:
 
     def choose(self, base_model: str, lora: t.LoraConfig, *, adapters: int) -> PlanChoice:
         """The plan of `base_model` with one adapter more, and where it runs; BadRequestError when it fits no
-        worker, or when the workers that could hold it all serve other live runs (`adapters`: runs of this base
-        model already there)."""
+        worker (`adapters`: runs of this base model already there). When the workers that could hold it all serve
+        other live runs, the placement leaves it unplaced (`Placement.blocked`): its runs wait, told why."""
         shape = model_shape(base_model)
         workers = self.workers()
         if shape is None:
@@ -103,7 +103,7 @@ class PoolPlanner:
     def _placed(self, base_model: str, plan: Plan | None) -> Placement:
         placement = place(self._budgets(), self._needs({base_model: plan}), self.placement, self._affinity())
         why = dict(placement.unplaced).get(base_model)
-        if why is not None:
+        if why is not None and base_model not in placement.blocked:
             raise BadRequestError(why, field="base_model")
         return placement
 

@@ -42,7 +42,8 @@ class ClusterView:
             longest_forward_rows=await self.scheduler.ask(Scheduler.longest_rows, True),
             state_dir=self.store.disk.space(),
             groups=groups.group_status(),
-            placement_notes=list(groups.placement.reasons),
+            placement_notes=[*groups.placement.reasons, *(f"{model} waits: {why}"
+                                                          for model, why in groups.placement.unplaced)],
         )
 
     def capabilities(self) -> t.GetServerCapabilitiesResponse:
