@@ -174,19 +174,27 @@ def cluster(hosts, tmp_path):
 @pytest.fixture(scope="module")
 def first(hosts, tp_model, tmp_path_factory):
     """A cluster whose one worker, on host a, trains the references before the data-parallel test adds more: the
-    tiny model's losses and weights after STEPS steps, the TP model's after TP_STEPS and its greedy samples."""
+    tiny model's losses and weights after STEPS steps; and, on a cluster of its own (beside the tiny model's run
+    it would get a group of its own, and the next worker, once one joins), the TP model's after TP_STEPS and its
+    greedy samples."""
+    path = tmp_path_factory.mktemp("weights")
+    cluster = Cluster(hosts, tmp_path_factory.mktemp("tp-reference") / "state").start()
+    try:
+        cluster.add_worker("a")
+        client = cluster.client()
+        client.wait_active(1)
+        big = client("create", base_model=str(tp_model), seed=SEED)["run"]
+        reference = {"tp_losses": _train(client, big, TP_STEPS)["losses"],
+                     "tp_weights": _weights(client, big, path / "big.npz"), "tp_samples": client("sample", run=big)}
+    finally:
+        cluster.close()
     cluster = Cluster(hosts, tmp_path_factory.mktemp("first") / "state").start()
     try:
         cluster.add_worker("a")
         client = cluster.client()
         client.wait_active(1)
-        path = tmp_path_factory.mktemp("weights")
-        tiny, big = (client("create", base_model=model, seed=SEED)["run"] for model in (BASE, str(tp_model)))
-        tiny_losses, big_losses = (_train(client, run, steps)["losses"] for run, steps in ((tiny, STEPS),
-                                                                                          (big, TP_STEPS)))
-        reference = {"losses": tiny_losses, "weights": _weights(client, tiny, path / "tiny.npz"),
-                     "tp_losses": big_losses, "tp_weights": _weights(client, big, path / "big.npz"),
-                     "tp_samples": client("sample", run=big)}
+        tiny = client("create", base_model=BASE, seed=SEED)["run"]
+        reference.update(losses=_train(client, tiny, STEPS)["losses"], weights=_weights(client, tiny, path / "tiny.npz"))
         yield cluster, client, reference
     finally:
         cluster.close()

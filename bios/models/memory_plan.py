@@ -146,13 +146,14 @@ class Plan:
 
     def describe(self) -> str:
         layout = f"{self.replicas} replica(s) x {self.tp} tensor-parallel worker(s)"
+        trained, forward = self.longest_row(self.replicas), self.longest_row(self.replicas, forward_only=True)
+        rows = f", rows of <= {trained} tokens" if trained is not None else ""
+        if forward is not None and trained is not None and forward > trained:
+            rows += f" (forward only: <= {forward} tokens)"
         return (
             f"{self.name}: {layout}, {self.dtype} base weights, activation checkpointing "
-            f"{'on' if self.activation_checkpointing else 'off'}, <= {self.batch_tokens} tokens per pass"
-            + (f", rows of <= {self.longest_row(self.replicas)} tokens" if self.longest_rows else "")
-            + (f" (forward only: <= {forward} tokens)" if (forward := self.longest_row(
-                self.replicas, forward_only=True) or 0) > (self.longest_row(self.replicas) or forward) else "")
-            + f"; {self.estimate.describe()} per worker of {_gib(self.budget_bytes)}"
+            f"{'on' if self.activation_checkpointing else 'off'}, <= {self.batch_tokens} tokens per pass{rows}"
+            f"; {self.estimate.describe()} per worker of {_gib(self.budget_bytes)}"
         )
 
 
