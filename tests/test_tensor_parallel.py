@@ -22,10 +22,14 @@ from transformers import LlamaForCausalLM
 from bios.models import load_base_model, resolve_model_dir
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 from bios.worker.adapter import AdapterState
+from bios.worker.attention import use_bios_attention
+from bios.worker.collectives import CollectiveGroup
+from bios.worker.context_parallel import SequenceShare
 from bios.worker.engine import ForwardItem, commit_gradients, discard_gradients, forward_backward, optim_step
 from bios.worker.lora import active_adapters, attach_lora
 from bios.worker.memory_plan import enable_activation_checkpointing
 from bios.worker.sampling import SampleItem, generate
+from bios.worker.split_rows import forward_backward_share
 from bios.worker.sharded_adapter import (
     commit_sharded_gradients,
     copy_full_into_shard,
@@ -188,7 +192,8 @@ def bf16_pass(model: LlamaForCausalLM, adapter: AdapterState, info: ShardInfo | 
 
 
 def tp2_dp2_work(rank: int, world: int) -> dict[str, Any]:
-    """Ranks 0-1 and 2-3 are the two tensor-parallel replicas; 0-2 and 1-3 sum gradients across replicas."""
+    """Ranks 0-1 and 2-3 are the two tensor-parallel replicas; 0-2 and 1-3 sum gradients across replicas. First
+    one row split by sequence over the two replicas (`split_row`), then training on a batch's halves."""
     tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     replica, tp_rank = divmod(rank, 2)
@@ -197,12 +202,41 @@ def tp2_dp2_work(rank: int, world: int) -> dict[str, Any]:
     # Split first, bind the group afterwards: what a worker does when a new generation rebuilds its groups.
     info = shard_model(model, tp_rank, 2)
     rebind_group(model, tp_groups[replica])
+    split = split_row(model, start, info, rank, world, tp_groups[replica], dp_groups[tp_rank])
     adapter = create_sharded_adapter("a", model, LORA, seed=LORA.seed, device="cpu")
     adapter.load_state_dict(shard_adapter_state(start, info))
     half = batch()[2 * replica : 2 * replica + 2]
     train = _train(model, adapter, info, half, tp_groups[replica], dp_groups[tp_rank])
     full = gather_full_adapter(adapter, info, tp_groups[replica])
-    return {"train": train, "final": full.state_dict(), "moments": full.optimizer_state()}
+    return {"train": train, "final": full.state_dict(), "moments": full.optimizer_state(), "split": split}
+
+
+def long_row() -> Datum:
+    """One row to split by sequence over two replicas: four chunks of 10 positions (`share_chunks`)."""
+    generator = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, VOCAB, (41,), generator=generator)
+    return Datum(ModelInput.from_ints(tokens[:-1].tolist()),
+                 {"target_tokens": tokens[1:], "weights": torch.rand(40, generator=generator)})
+
+
+def split_row(model, start: dict[str, torch.Tensor], info: ShardInfo, rank: int, world: int, tp_group,
+              dp_group) -> dict[str, Any]:
+    """`long_row` split by sequence over two replicas that are tensor-parallel pairs: each shard holder gathers
+    its key/value head from the other replica's holder of the same shard, as the worker's `CollectiveGroup`
+    does (`all_gather_replicas_` over its `dp_group`). This replica's positions, log-probs, loss share, and the
+    gradient summed over the replicas."""
+    adapter = create_sharded_adapter("split", model, LORA, seed=LORA.seed, device="cpu")
+    adapter.load_state_dict(shard_adapter_state(start, info))
+    group = CollectiveGroup.__new__(CollectiveGroup)  # its own rebuild makes the groups from a store
+    group.generation, group.rank, group.world, group.tp = 1, rank, world, 2
+    group.tp_group, group.dp_group = tp_group, dp_group
+    assert use_bios_attention(model)
+    row = long_row()
+    share = SequenceShare(row.model_input.length, group.replicas, group.replica, group)
+    logprobs, loss, _ = forward_backward_share(model, ForwardItem(adapter, [row], "cross_entropy"), 0, share)
+    reduce_shared_grads(adapter, info, tp_group)
+    dist.all_reduce(adapter.pending_grad, group=dp_group)  # the cycle's sum over replicas
+    return {"positions": share.positions, "logprobs": logprobs, "loss": loss, "grads": grad_state(adapter)}
 
 
 def _train(model, adapter: AdapterState, info: ShardInfo, data: list[Datum], tp_group, dp_group) -> dict[str, list]:
@@ -322,8 +356,13 @@ def test_tp2_with_a_bf16_base_matches_one_bf16_worker(tp2, reference, layout):
         assert error < 5e-2, f"{key}: relative error {error:.3g}"
 
 
-def test_tp2_times_dp2_matches_one_worker(tmp_path, reference):
-    workers = run_workers(4, tp2_dp2_work, tmp_path)
+@pytest.fixture(scope="module")
+def tp2_dp2(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_workers(4, tp2_dp2_work, tmp_path_factory.mktemp("tp2-dp2"))
+
+
+def test_tp2_times_dp2_matches_one_worker(tp2_dp2, reference):
+    workers = tp2_dp2
     for replica in range(2):
         for worker in workers[2 * replica : 2 * replica + 2]:
             assert worker["train"]["norms"] == pytest.approx(reference["train"]["norms"], rel=1e-5)
@@ -332,6 +371,26 @@ def test_tp2_times_dp2_matches_one_worker(tmp_path, reference):
                 assert_close(worker["moments"][key], reference["moments"][key], key)
     per_step = [a + b for a, b in zip(workers[0]["train"]["losses"], workers[2]["train"]["losses"], strict=True)]
     assert per_step == pytest.approx(reference["train"]["losses"], rel=1e-5)
+
+
+def test_a_row_split_over_two_tensor_parallel_replicas_equals_one_worker(tp2_dp2, layout):
+    """Context parallelism over replicas of a tensor-parallel group: the row's log-probs (each position from the
+    replica that holds it), its loss (the replicas' shares summed) and the summed gradient equal one unsharded
+    worker's on the whole row."""
+    model = tiny_llama()
+    adapter = AdapterState.create("a", model, LORA, device="cpu")
+    adapter.load_state_dict(start_state(model))
+    [output] = forward_backward(model, [ForwardItem(adapter, [long_row()], "cross_entropy")])
+    whole, grads = logprobs_of(output)[0], grad_state(adapter)
+    workers = [worker["split"] for worker in tp2_dp2]
+    for first in (0, 1):  # either shard holder's view of the two replicas
+        replicas = workers[first::2]
+        assert sum(w["loss"] for w in replicas) == pytest.approx(output.metrics["loss:sum"], rel=1e-5)
+        for worker in replicas:
+            assert_close(worker["logprobs"], whole[worker["positions"]], "log-probs at the replica's positions")
+    assert sorted(torch.cat([w["positions"] for w in workers[0::2]]).tolist()) == list(range(40))
+    assert_states_close(gather_adapter_state([workers[0]["grads"], workers[1]["grads"]], layout), grads, "gradient")
+    assert_states_close(gather_adapter_state([workers[2]["grads"], workers[3]["grads"]], layout), grads, "gradient")
 
 
 def test_sharding_splits_weights_and_adapters_losslessly(layout):

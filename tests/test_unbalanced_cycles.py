@@ -1,7 +1,7 @@
 """A pass that keeps one worker busy far longer than its peers: no livelock.
 
 Whether a worker is alive is the heartbeats' call; a collective may wait for a busier peer up to the collective
-timeout (bios-coordinator --collective-timeout, 10 minutes by default). A batch of one 8k-token row and three rows
+timeout (bios-coordinator --collective-timeout, 10 minutes by default). A batch of one 6k-token row and three rows
 20x shorter: the long row goes whole to one worker while the others wait at the first collective for several
 heartbeat timeouts, on 2 workers and on 4: the step completes, equal to one worker's. Where a pass outlasts even the collective timeout, its cycle aborts with every worker alive: the
 request runs again in a cycle of its own, then fails with an error that says why, and nobody else's does.
@@ -21,7 +21,7 @@ from bios.exceptions import BiosAPIError
 pytestmark = pytest.mark.e2e
 
 SEED = 41
-LONG_ROW = 8192  # tokens: ~7 s of forward and backward on one thread here, several heartbeat timeouts
+LONG_ROW = 6144  # tokens: ~5 s of forward and backward on one thread here, over three heartbeat timeouts
 HEARTBEAT_TIMEOUT_S = 1.5
 DOOMED_ROW = 2048  # tokens: ~1.3 s of forward and backward on one thread here, over twice a 0.5 s collective timeout
 PARAMS = types.AdamParams(learning_rate=1e-3)

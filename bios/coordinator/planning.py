@@ -245,11 +245,10 @@ class PoolPlanner:
             self.whole_rows.discard(base_model)
 
     def _split_over(self, base_model: str) -> int:
-        """How many workers a long row of `base_model` is split over: its group's replicas, without tensor
-        parallelism, when the model runs Bios's attention (else one)."""
+        """How many replicas a long row of `base_model` is split over: its group's (each of one worker, or of a
+        tensor-parallel group), when the model runs Bios's attention (else one)."""
         group = self.placement.group_of_model(base_model)
-        splits = group is not None and group.tp == 1 and base_model not in self.whole_rows
-        return group.replicas if splits else 1
+        return group.replicas if group is not None and base_model not in self.whole_rows else 1
 
     def longest_rows(self, *, forward_only: bool = False) -> dict[str, int]:
         return {name: longest for name in self.plans
@@ -271,8 +270,9 @@ class PoolPlanner:
             longest = self.longest_row(base_model, splits=splits, forward_only=forward_only)
             if longest is None or length <= longest:
                 continue
-            replicas = self._split_over(base_model)
-            how = (f"split over its {replicas} worker(s)" if splits and replicas > 1
+            replicas, group = self._split_over(base_model), self.placement.group_of_model(base_model)
+            over = "worker(s)" if group is None or group.tp == 1 else f"replicas of {group.tp} workers"
+            how = (f"split over its {replicas} {over}" if splits and replicas > 1
                    else "on one worker (its loss or its images need the whole row on one worker)" if not splits
                    else "on one worker (its attention is not Bios's, which splits rows)"
                    if base_model in self.whole_rows else "on one worker")

@@ -259,7 +259,7 @@ def choose_plan(
                     long_pass = partial(sized, activation_checkpointing=True, mlp_chunk=MLP_CHUNK_TOKENS)
                     rows = partial(longest_row, usable_bytes=USABLE_FRACTION * budget_bytes, fits=plan.batch_tokens,
                                    context=shape.max_context_length, shape=shape)
-                    most = max_replicas if tp == 1 else 1
+                    most = max_replicas  # a long row splits over replicas (each of `tp` workers)
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
                     prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
                     return replace(plan, longest_rows=tuple(rows(long_pass, replicas=r) for r in range(1, most + 1)),

@@ -203,13 +203,12 @@ class CollectiveGroup:
                                                          async_op=True)))
 
     def all_gather_replicas_(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """Every replica's `tensor` into `parts`, in replica order (no tensor parallelism: members are replicas)."""
-        if self.tp > 1:
-            raise NotImplementedError("gathering over replicas under tensor parallelism")
-        if self.world == 1:
+        """Every replica's `tensor` into `parts`, in replica order: from the members holding this member's shard
+        (everyone, without tensor parallelism)."""
+        if self.replicas == 1:
             parts[0].copy_(tensor)
             return
-        self.guard(lambda: completed(dist.all_gather(parts, tensor, async_op=True)))
+        self.guard(lambda: completed(dist.all_gather(parts, tensor, group=self.dp_group, async_op=True)))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
         if self.world > 1:

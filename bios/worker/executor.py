@@ -190,7 +190,7 @@ class CycleExecutor:
             custom = CompiledLoss(op.custom_loss) if op.custom_loss is not None else None
             whole = engine.ForwardItem(adapter.state, op.data, op.loss_fn, op.loss_fn_config, op.forward_only, custom)
             long = [d for d in range(len(op.data))
-                    if split_rows.splits(base.base.model, whole, d, per_pass, self.group.replicas, self.group.tp)]
+                    if split_rows.splits(base.base.model, whole, d, per_pass, self.group.replicas)]
             split += [(index, whole, d) for d in long]
             rest = [datum for d, datum in enumerate(op.data) if d not in long]
             start, end = shard_range([d.model_input.length for d in rest], self.group.replicas, self.group.replica)

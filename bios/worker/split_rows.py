@@ -2,8 +2,9 @@
 them: which rows split, each replica's share of one, and the whole row's output put together from the shares.
 
 A row splits when it is longer than its base model's pass (`tokens_per_pass`), the group has several replicas
-and no tensor parallelism, the model runs Bios's attention, and the request allows (`spec.splits_rows`: a loss
-that sums per-token terms, no images). The planner sizes the longest row it accepts the same way
+(each of one worker, or of a tensor-parallel group: then each shard holder gathers its heads' keys and values
+from the same shard's holders of the other replicas), the model runs Bios's attention, and the request allows
+(`spec.splits_rows`: a loss that sums per-token terms, no images). The planner sizes the longest row it accepts the same way
 (`bios.models.long_rows.longest_row`). Every member walks the split rows in the same order, since each layer of
 each row gathers from all of them. A long row that does not split runs alone on one worker, checkpointed.
 """
@@ -26,11 +27,11 @@ from .memory_plan import checkpointed
 Share = tuple[torch.Tensor, float, dict[str, float]]  # a replica's log-probs at its positions, loss, metrics
 
 
-def splits(model: torch.nn.Module, item: engine.ForwardItem, index: int, tokens_per_pass: int, replicas: int,
-           tp: int) -> bool:
+def splits(model: torch.nn.Module, item: engine.ForwardItem, index: int, tokens_per_pass: int,
+           replicas: int) -> bool:
     """Whether datum `index` of `item` runs split over the replicas (see the module docstring)."""
     datum = item.data[index].model_input
-    return (replicas > 1 and tp == 1 and datum.length > tokens_per_pass and use_bios_attention(model)
+    return (replicas > 1 and datum.length > tokens_per_pass and use_bios_attention(model)
             and spec.splits_rows(item.loss_fn, item.custom_loss, datum))
 
 
