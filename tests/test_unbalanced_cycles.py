@@ -3,8 +3,9 @@
 Whether a worker is alive is the heartbeats' call; a collective may wait for a busier peer up to the collective
 timeout (bios-coordinator --collective-timeout, 10 minutes by default). A batch of one 6k-token row and three rows
 20x shorter: the long row goes whole to one worker while the others wait at the first collective for several
-heartbeat timeouts, on 2 workers and on 4: the step completes, equal to one worker's. Where a pass outlasts even the collective timeout, its cycle aborts with every worker alive: the
-request runs again in a cycle of its own, then fails with an error that says why, and nobody else's does.
+heartbeat timeouts, on 2 workers and on 4: the step completes, equal to one worker's. Where a pass outlasts even
+the collective timeout, its cycle aborts with every worker alive: the request runs again in a cycle of its own,
+then fails with an error that says why, and nobody else's does.
 """
 
 from __future__ import annotations
