@@ -321,7 +321,9 @@ async def test_a_model_whose_attention_is_not_bios_s_trains_rows_one_worker_hold
     planner, plan = scheduled.scheduler.planner, scheduled.scheduler.planner.plans[scheduled.model]
     alone, two = plan.longest_row(1), plan.longest_row(2)
     assert planner.longest_row(scheduled.model) == alone < two
-    assert f"rows of <= {alone} tokens" in planner.describe(scheduled.model)
+    forward = plan.longest_row(1, forward_only=True)  # a forward-only row too, where two would run longer ones
+    assert forward < plan.longest_row(2, forward_only=True)
+    assert f"rows of <= {alone} tokens (forward only: <= {forward} tokens)" in planner.describe(scheduled.model)
     with pytest.raises(BadRequestError, match=f"data\\[0\\] has {two} tokens.*at most {alone} tokens on one worker "
                        "\\(its attention is not Bios's"):
         await scheduled.submit(m.ForwardBackward(run, 1, [random_datum(two)], "cross_entropy"))

@@ -224,14 +224,13 @@ class PoolPlanner:
         if plan is None:
             return self.notes.get(base_model)
         shown = dataclasses.replace(plan, replicas=group.replicas) if group is not None else plan
-        if self._split_over(base_model) == 1:  # its rows as long as one worker holds
-            shown = dataclasses.replace(shown, longest_rows=plan.longest_rows[:1])
-        return shown.describe() + (" (halved after a worker died)" if base_model in self.halved else "")
+        return (shown.describe(split_over=self._split_over(base_model))
+                + (" (halved after a worker died)" if base_model in self.halved else ""))
 
     def longest_row(self, base_model: str, *, splits: bool = True, forward_only: bool = False) -> int | None:
-        """The longest row (tokens) `base_model`'s group trains: split over its replicas (`splits`: its loss
-        allows, `spec.splits_rows`; no tensor parallelism), else on one worker; `forward_only`: or runs forward
-        only, alone on one worker. None: not planned."""
+        """The longest row (tokens) `base_model`'s group trains, or with `forward_only` runs without a graph:
+        split over its replicas (`splits`: its loss allows, `spec.splits_rows`; `_split_over`), else on one
+        replica. None: not planned."""
         plan = self.plans.get(base_model)
         if plan is None:
             return None
@@ -270,17 +269,23 @@ class PoolPlanner:
             longest = self.longest_row(base_model, splits=splits, forward_only=forward_only)
             if longest is None or length <= longest:
                 continue
-            replicas, group = self._split_over(base_model), self.placement.group_of_model(base_model)
-            over = "worker(s)" if group is None or group.tp == 1 else f"replicas of {group.tp} workers"
-            how = (f"split over its {replicas} {over}" if splits and replicas > 1
-                   else "on one worker (its loss or its images need the whole row on one worker)" if not splits
-                   else "on one worker (its attention is not Bios's, which splits rows)"
-                   if base_model in self.whole_rows else "on one worker")
             runs = "runs forward-only rows" if forward_only else "trains rows"
             return index, (f"data[{index}] has {length} tokens, and {base_model} {runs} of at most {longest} "
-                           f"tokens {how} ({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation "
-                           "checkpointing included)")
+                           f"tokens {self._where_rows_run(base_model, splits)} "
+                           f"({self.plans[base_model].budget_bytes / 2**30:.2f} GiB each, activation checkpointing "
+                           "included)")
         return None
+
+    def _where_rows_run(self, base_model: str, splits: bool) -> str:
+        """Where a long row of `base_model` runs, for `too_long`'s message (`splits`: its request allows)."""
+        if not splits:
+            return "on one worker (its loss or its images need the whole row on one worker)"
+        if base_model in self.whole_rows:
+            return "on one worker (its attention is not Bios's, which splits rows)"
+        replicas, group = self._split_over(base_model), self.placement.group_of_model(base_model)
+        if replicas == 1:
+            return "on one worker"
+        return f"split over its {replicas} " + ("worker(s)" if group.tp == 1 else f"replicas of {group.tp} workers")
 
     def check_sample(self, base_model: str, prompt_tokens: int, new_tokens: int, samples: int) -> None:
         """BadRequestError when `samples` continuations of a prompt would not fit a worker's key/value cache

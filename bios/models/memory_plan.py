@@ -144,9 +144,12 @@ class Plan:
             parts.append("checkpointing")
         return "+".join(parts)
 
-    def describe(self) -> str:
+    def describe(self, split_over: int | None = None) -> str:
+        """One line for `bios status` and `get_info`; its rows over `split_over` replicas (default: all of them;
+        1 for a model whose long rows do not split)."""
         layout = f"{self.replicas} replica(s) x {self.tp} tensor-parallel worker(s)"
-        trained, forward = self.longest_row(self.replicas), self.longest_row(self.replicas, forward_only=True)
+        over = self.replicas if split_over is None else split_over
+        trained, forward = self.longest_row(over), self.longest_row(over, forward_only=True)
         rows = f", rows of <= {trained} tokens" if trained is not None else ""
         if forward is not None and trained is not None and forward > trained:
             rows += f" (forward only: <= {forward} tokens)"
@@ -259,12 +262,13 @@ def choose_plan(
                     long_pass = partial(sized, activation_checkpointing=True, mlp_chunk=MLP_CHUNK_TOKENS)
                     rows = partial(longest_row, usable_bytes=USABLE_FRACTION * budget_bytes, fits=plan.batch_tokens,
                                    context=shape.max_context_length, shape=shape)
-                    most = max_replicas  # a long row splits over replicas (each of `tp` workers)
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
                     prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
-                    return replace(plan, longest_rows=tuple(rows(long_pass, replicas=r) for r in range(1, most + 1)),
+                    # a long row splits over replicas (each of `tp` workers)
+                    over = range(1, max_replicas + 1)
+                    return replace(plan, longest_rows=tuple(rows(long_pass, replicas=r) for r in over),
                                    longest_forward_rows=tuple(rows(partial(long_pass, forward_only=True), replicas=r)
-                                                              for r in range(1, most + 1)),
+                                                              for r in over),
                                    kv_bytes_per_token=kv_cache_bytes(shape, 1, 1, tp), decode_bytes=prefill.total)
     tp, dtype, checkpointing, smallest = min(tried, key=lambda entry: entry[3].total)
     techniques = [f"TP={tp}"] if tp > 1 else []
