@@ -35,11 +35,12 @@ LONE_ROW_FRAGMENTATION = 1.5
 
 
 def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: int, context: int | None,
-                shape: ModelShape | None = None, replicas: int = 1) -> int:
+                shape: ModelShape | None = None, replicas: int = 1, streamed: bool = True) -> int:
     """The longest row `usable_bytes` of a worker hold (`fits`, the plan's pass, at least; the model's `context`,
     else 2^24, at most): run alone in a pass with activation checkpointing (`sized(batch_tokens=n)`, the plan's
     estimate so checkpointed), or, over `replicas` > 1 (`shape` given), split by sequence over them: each
-    replica's share of the tokens, and the whole row's attention tensors (`split_attention_bytes`).
+    replica's share of the tokens, and what splitting adds to attention (`split_attention_bytes`: `streamed`
+    on CPU, gathered elsewhere).
 
     Estimates grow with a pass's tokens, so this doubles, then bisects. A row's pass counts as many tokens as a
     batch's: Bios's attention keeps O(length) per row (no [length, length] scores), so a pass's memory goes with
@@ -48,7 +49,8 @@ def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: i
 
     def holds(tokens: int) -> bool:
         found = sized(batch_tokens=-(-tokens // replicas))
-        split = split_attention_bytes(shape, tokens) if shape is not None and replicas > 1 else 0
+        split = split_attention_bytes(shape, tokens, replicas, streamed=streamed) \
+            if shape is not None and replicas > 1 else 0
         row = found.activations + found.logits + split
         return found.total + split + (LONE_ROW_FRAGMENTATION - 1) * row <= usable_bytes
 
@@ -62,10 +64,15 @@ def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: i
     return low
 
 
-def split_attention_bytes(shape: ModelShape, tokens: int) -> int:
-    """What a row split over replicas adds on each (`bios.worker.context_parallel`): the layer in backward holds
-    the whole row's gathered keys and values and their gradients, one gather's parts, and the attention kernel's
-    key buffers (six [head width, tokens] per thread), fp32. Queries and outputs are the replica's own."""
+def split_attention_bytes(shape: ModelShape, tokens: int, replicas: int, *, streamed: bool = True) -> int:
+    """What a row of `tokens` split over `replicas` adds on each (`bios.worker.context_parallel`), fp32, beyond
+    its share's own pass. Streamed (CPU), in a layer's backward: one source replica's keys and values and the
+    kernel's gradients for them (four [key/value width, share]; the sums of those gradients stand in for the
+    share's own), the kernel's query gradient and the merged output's temporaries (two [query width, share]):
+    O(tokens / replicas). Gathered (elsewhere): the whole row's keys and values and their gradients, one
+    gather's parts, and the attention's key buffers (six [head width, tokens] per thread): O(tokens)."""
+    if streamed:
+        return (4 * shape.kv_size + 2 * shape.q_size) * -(-tokens // replicas) * FP32
     return (5 * shape.kv_size + 6 * shape.head_dim) * tokens * FP32
 
 

@@ -220,6 +220,14 @@ class CollectiveGroup:
             src = replica * self.tp + self.tp_rank
             self.guard(lambda: completed(dist.broadcast(tensor, src=src, group=self.dp_group, async_op=True)))
 
+    def reduce_to_replica_(self, tensor: torch.Tensor, replica: int) -> None:
+        """Sum every replica's `tensor` onto `replica`'s member holding the same shard (the others' are left
+        undefined)."""
+        if self.replicas > 1:
+            dst = replica * self.tp + self.tp_rank
+            self.guard(lambda: completed(dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.dp_group,
+                                                     async_op=True)))
+
     def guard(self, fn: Any) -> Any:
         """Run `fn` (which runs collectives), turning a failure into a `CollectiveError`."""
         try:

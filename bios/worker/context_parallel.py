@@ -2,16 +2,19 @@
 
 Each of R replicas takes two of the row's 2R equal chunks, r and 2R-1-r (Megatron's causal load balancing: the
 early chunks' queries see few keys, the late ones' many, so every replica gets one of each), and runs every layer
-on those positions only, RoPE at their absolute positions. Attention needs every earlier key: each layer gathers
-the whole row's keys and values from the replicas (`SequenceShare.gather`), and the gather's backward sums every
-replica's gradient for them and keeps its own positions'. Built-in losses are sums over tokens, so a replica's
+on those positions only, RoPE at their absolute positions. Built-in losses are sums over tokens, so a replica's
 loss is its positions' share; the cycle's gradient sum over replicas then adds the shares, as it adds shards of
 a batch.
 
-On CPU, attention runs Bios's interval kernel: this replica's queries, each over the whole row's keys up to its
-position, the same kernel and the same arithmetic per query as one worker running the whole row. Elsewhere
-(CUDA) each chunk's queries attend over the keys up to the chunk's end by SDPA with a lower-right causal bias.
-Bios's attention (`bios.worker.attention`) asks `current()` at each call.
+Attention needs every earlier key. On CPU each layer streams them (`_StreamedAttention`, ring attention's
+arithmetic): replica after replica broadcasts its keys and values, and every replica attends its queries to
+that source's chunks (a chunk's pair is whole, causal, or skipped) with PyTorch's CPU flash attention, merging
+the partial outputs by their log-sum-exp; in backward the same broadcasts come again, and each source's key and
+value gradients are summed onto it. A replica holds one source's keys at a time, so what a split row adds to a
+worker shrinks with R (`bios.models.long_rows.split_attention_bytes`). Elsewhere (CUDA) each layer gathers the
+whole row's keys and values (`SequenceShare.gather`) and each chunk's queries attend over the keys up to the
+chunk's end by SDPA with a lower-right causal bias. Bios's attention (`bios.worker.attention`) asks `current()`
+at each call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from bios.kernels import interval_attention
 
 
 def share_chunks(length: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -48,6 +50,10 @@ class Replicas(Protocol):
     def all_gather_replicas_(self, parts: list[Tensor], tensor: Tensor) -> None: ...
 
     def all_reduce_replicas_(self, tensor: Tensor) -> None: ...
+
+    def broadcast_from_replica_(self, tensor: Tensor, replica: int = 0) -> None: ...
+
+    def reduce_to_replica_(self, tensor: Tensor, replica: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,18 +84,42 @@ class SequenceShare:
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
         """Causal attention of this replica's queries [1, Hq, n, D] (rotated) over the whole row's keys and
-        values (this replica's [1, Hkv, n, D], gathered): [1, n, Hq, D], Transformers' layout."""
-        keys, values = (_GatherSequence.apply(part, self) for part in (key, value))
+        values (this replica's [1, Hkv, n, D]; the others' come from their replicas): [1, n, Hq, D],
+        Transformers' layout."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if query.device.type != "cpu":
-            return self.attend_by_chunks(query, keys, values, scale)
-        queries = query.float()
-        if not interval_attention.suits(queries, keys, values, same_length=False):
-            return self.attend_by_chunks(query, keys, values, scale)
-        lo = torch.zeros(1, queries.shape[2], dtype=torch.int32)
-        hi = self.positions.to(torch.int32)[None].contiguous()  # each query sees the keys up to its position
-        output = interval_attention.interval_attention(queries, keys.float(), values.float(), lo, hi, scale)
-        return output.to(query.dtype)
+        if query.device.type == "cpu":
+            output = _StreamedAttention.apply(query.float(), key.float(), value.float(), self, scale)
+            return output.to(query.dtype).transpose(1, 2)
+        keys, values = (_GatherSequence.apply(part, self) for part in (key, value))
+        return self.attend_by_chunks(query, keys, values, scale)
+
+    def keys_values_of(self, source: int, key: Tensor, value: Tensor) -> Tensor:
+        """Replica `source`'s keys and values, [2, 1, Hkv, n_source, D] (this replica's own if it is the
+        source): every replica calls this for every source, in the same order."""
+        if source == self.rank:
+            pair = torch.stack([key, value])
+        else:
+            count = len(share_positions(self.length, self.world, source))
+            pair = key.new_empty(2, *key.shape[:2], count, key.shape[3])
+        self.replicas.broadcast_from_replica_(pair, source)
+        return pair
+
+    def blocks(self, source: int) -> list[tuple[slice, slice, bool]]:
+        """Which of this replica's queries attend to which of `source`'s keys, and whether causally: (query
+        positions, key positions, causal) in the two replicas' share tensors. Chunk pairs are whole (an earlier
+        chunk's keys), causal (the same chunk) or skipped (a later chunk); a query chunk's whole pairs with
+        adjacent key chunks go in one call."""
+        mine = _chunk_slices(self.length, self.world, self.rank)
+        theirs = _chunk_slices(self.length, self.world, source)
+        found = []
+        for query_chunk, queries in mine:
+            if queries.start == queries.stop:
+                continue
+            whole = [keys for key_chunk, keys in theirs if key_chunk < query_chunk and keys.start < keys.stop]
+            if whole:
+                found.append((queries, slice(whole[0].start, whole[-1].stop), False))
+            found += [(queries, keys, True) for key_chunk, keys in theirs if key_chunk == query_chunk]
+        return found
 
     def attend_by_chunks(self, query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
         """`attend` where the interval kernel does not run (CUDA, other head widths): each of the two chunks'
@@ -110,6 +140,60 @@ class SequenceShare:
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
                 chunk, *ahead, attn_mask=causal_lower_right(count, end), scale=scale))
         return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def _chunk_slices(length: int, world: int, rank: int) -> list[tuple[int, slice]]:
+    """Replica `rank`'s two chunks as (chunk index, positions in its share tensor)."""
+    (first, first_end), (late, late_end) = share_chunks(length, world, rank)
+    return [(rank, slice(0, first_end - first)),
+            (2 * world - 1 - rank, slice(first_end - first, first_end - first + late_end - late))]
+
+
+class _StreamedAttention(torch.autograd.Function):
+    """`SequenceShare.attend` on CPU, fp32: this replica's queries [1, Hq, n, D] over every source's keys and
+    values [1, Hkv, n_source, D] (grouped queries as they are: the kernel takes them), one source at a time;
+    -> [1, Hq, n, D]. Backward takes the keys and values again from each source
+    and sums their gradients onto it (`reduce_to_replica_`), as ring attention does (with the merged output and
+    log-sum-exp, each pair's backward is that of the whole row's attention)."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, share: SequenceShare, scale: float) -> Tensor:
+        output = torch.zeros_like(query)
+        lse = query.new_full(query.shape[:3], float("-inf"))
+        for source in range(share.world):
+            keys, values = share.keys_values_of(source, key, value)
+            for queries, keys_at, causal in share.blocks(source):
+                part, part_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query[:, :, queries], keys[:, :, keys_at], values[:, :, keys_at], 0.0, causal, scale=scale)
+                merged = torch.logaddexp(lse[:, :, queries], part_lse)
+                output[:, :, queries] = (output[:, :, queries] * (lse[:, :, queries] - merged).exp()[..., None]
+                                         + part * (part_lse - merged).exp()[..., None])
+                lse[:, :, queries] = merged
+        ctx.save_for_backward(query, key, value, output, lse)
+        ctx.share, ctx.scale = share, scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        query, key, value, output, lse = ctx.saved_tensors
+        share, grad = ctx.share, grad.contiguous()
+        grad_query = torch.zeros_like(query)
+        grad_key = grad_value = None
+        for source in range(share.world):
+            pair = share.keys_values_of(source, key, value)
+            grad_pair = torch.zeros_like(pair)
+            for queries, keys_at, causal in share.blocks(source):
+                part_query, part_key, part_value = \
+                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                        grad[:, :, queries], query[:, :, queries], pair[0][:, :, keys_at], pair[1][:, :, keys_at],
+                        output[:, :, queries], lse[:, :, queries], 0.0, causal, scale=ctx.scale)
+                grad_query[:, :, queries] += part_query
+                grad_pair[0][:, :, keys_at] += part_key
+                grad_pair[1][:, :, keys_at] += part_value
+            share.replicas.reduce_to_replica_(grad_pair, source)
+            if source == share.rank:
+                grad_key, grad_value = grad_pair
+        return grad_query, grad_key, grad_value, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
