@@ -65,9 +65,10 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def bios_side(model: Path, workers: int, limit: int, lengths: list[int]) -> dict:
+def bios_side(model: Path, workers: int, limit: int, lengths: list[int | str]) -> dict:
     """One cluster of `workers`: its longest row, then each length's tokens/s (one forward_backward and
-    optim_step, after a warm-up at the first length) and every worker's peak RSS; refusals with their message."""
+    optim_step, after a warm-up at the first length) and every worker's peak RSS; refusals with their message.
+    The length "longest" is the cluster's own longest row (`get_info().longest_row`), trained."""
     params = types.AdamParams(learning_rate=1e-4)
     out: dict = {"lengths": {}}
     with bios.LocalCluster(workers=workers, worker_threads=max(1, torch.get_num_threads() // workers),
@@ -79,6 +80,7 @@ def bios_side(model: Path, workers: int, limit: int, lengths: list[int]) -> dict
         tc = svc.create_lora_training_client(str(model), rank=RANK, seed=0)
         info = tc.get_info()
         out["longest_row"], out["plan"] = info.longest_row, info.memory_plan
+        lengths = [info.longest_row if length == "longest" else length for length in lengths]
         warm = min(lengths[0], info.longest_row or lengths[0])
         tc.forward_backward([row(warm)]).result(3600)
         tc.optim_step(params).result(600)
@@ -119,26 +121,29 @@ def peft_tokens_per_s(model: Path, length: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="4096,16384,32768")
+    parser.add_argument("--lengths", default="4096,16384,32768",
+                        help='row lengths in tokens; "longest": each cluster\'s own longest row')
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--limit-gib", type=float, default=1.4)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths: list[int | str] = [x if x == "longest" else int(x) for x in args.lengths.split(",")]
     limit = int(args.limit_gib * 2**30)
     work = Path(tempfile.mkdtemp(prefix="bench-long-"))
     try:
         model = write_model(work / "long")
         print(describe_machine())
         print(f"random Llama {SHAPE}, LoRA rank {RANK}, workers of {args.limit_gib:.2f} GiB, fp32")
-        bios_rates: dict[int, list[float]] = {n: [] for n in lengths}
-        peft_rates: dict[int, list[float]] = {n: [] for n in lengths}
+        bios_rates: dict[int, list[float]] = {n: [] for n in lengths if n != "longest"}
+        peft_rates: dict[int, list[float]] = {n: [] for n in lengths if n != "longest"}
+        longest: dict[int, int] = {}
         for workers in [int(x) for x in args.workers.split(",")]:
             rounds = args.rounds if workers == 1 else 1  # the reference is compared with one worker
             for round_ in range(rounds):
                 result = bios_side(model, workers, limit, lengths)
+                longest[workers] = result["longest_row"]
                 if workers == 1:
-                    for length in lengths:  # the reference, after Bios (rounds alternate: Bios, PEFT, Bios...)
+                    for length in bios_rates:  # the reference, after Bios (rounds alternate: Bios, PEFT, Bios...)
                         if "tokens_per_s" in result["lengths"][length]:
                             peft_rates[length].append(peft_tokens_per_s(model, length))
                             bios_rates[length].append(result["lengths"][length]["tokens_per_s"])
@@ -151,7 +156,10 @@ def main() -> None:
                         peaks = ", ".join(f"{p:.2f}" for p in got["peak_gib"])
                         print(f"  {length:>6} tokens: {got['tokens_per_s']:8.0f} tokens/s; peak RSS GiB [{peaks}] "
                               f"of {args.limit_gib:.2f}")
-        for length in lengths:
+        if 1 in longest:
+            print("longest trainable row: " + ", ".join(f"{workers} worker(s) {rows} tokens ({rows / longest[1]:.2f}x "
+                                                        "one)" for workers, rows in longest.items()))
+        for length in bios_rates:
             if bios_rates[length]:
                 ours, theirs = statistics.median(bios_rates[length]), statistics.median(peft_rates[length])
                 print(f"{length:>6} tokens on 1 worker: bios {ours:.0f} tokens/s, PEFT + checkpointing "
