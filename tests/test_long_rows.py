@@ -43,7 +43,7 @@ from bios.worker.engine import ForwardItem, discard_gradients, forward_backward
 
 LIMIT = 900 * MiB  # the long model's plan passes 4096 tokens here, and its longest row is ~8.9k tokens
 FP32 = {"BIOS_BASE_DTYPE": "float32"}
-# One worker holds rows of 4.1k-5k tokens here, two 6.6k-8k split and four 9k-11k, as the workers' measured
+# One worker holds rows of 4.1k-5k tokens here, two 7.4k-8.9k split and four 11k-13.3k, as the workers' measured
 # runtime goes (360-400 MiB: a clean clone's measured more than a working tree's)
 SPLIT_LIMIT = 700 * MiB
 SPLIT_ROW = 6000  # tokens: more than one worker of SPLIT_LIMIT holds, less than two hold split

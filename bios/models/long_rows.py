@@ -35,12 +35,12 @@ LONE_ROW_FRAGMENTATION = 1.5
 
 
 def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: int, context: int | None,
-                shape: ModelShape | None = None, replicas: int = 1, streamed: bool = True) -> int:
+                shape: ModelShape | None = None, replicas: int = 1, streamed: bool = True, tp: int = 1) -> int:
     """The longest row `usable_bytes` of a worker hold (`fits`, the plan's pass, at least; the model's `context`,
     else 2^24, at most): run alone in a pass with activation checkpointing (`sized(batch_tokens=n)`, the plan's
     estimate so checkpointed), or, over `replicas` > 1 (`shape` given), split by sequence over them: each
     replica's share of the tokens, and what splitting adds to attention (`split_attention_bytes`: `streamed`
-    on CPU, gathered elsewhere).
+    on CPU, gathered elsewhere; each replica of `tp` workers).
 
     Estimates grow with a pass's tokens, so this doubles, then bisects. A row's pass counts as many tokens as a
     batch's: Bios's attention keeps O(length) per row (no [length, length] scores), so a pass's memory goes with
@@ -49,7 +49,7 @@ def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: i
 
     def holds(tokens: int) -> bool:
         found = sized(batch_tokens=-(-tokens // replicas))
-        split = split_attention_bytes(shape, tokens, replicas, streamed=streamed) \
+        split = split_attention_bytes(shape, tokens, replicas, streamed=streamed, tp=tp) \
             if shape is not None and replicas > 1 else 0
         row = found.activations + found.logits + split
         return found.total + split + (LONE_ROW_FRAGMENTATION - 1) * row <= usable_bytes
@@ -64,16 +64,18 @@ def longest_row(sized: Callable[..., PassEstimate], usable_bytes: float, fits: i
     return low
 
 
-def split_attention_bytes(shape: ModelShape, tokens: int, replicas: int, *, streamed: bool = True) -> int:
+def split_attention_bytes(shape: ModelShape, tokens: int, replicas: int, *, streamed: bool = True,
+                          tp: int = 1) -> int:
     """What a row of `tokens` split over `replicas` adds on each (`bios.worker.context_parallel`), fp32, beyond
     its share's own pass. Streamed (CPU), in a layer's backward: one source replica's keys and values and the
     kernel's gradients for them (four [key/value width, share]; the sums of those gradients stand in for the
     share's own), the kernel's query gradient and the merged output's temporaries (two [query width, share]):
     O(tokens / replicas). Gathered (elsewhere): the whole row's keys and values and their gradients, one
-    gather's parts, and the attention's key buffers (six [head width, tokens] per thread): O(tokens)."""
+    gather's parts, and the attention's key buffers (six [head width, tokens] per thread): O(tokens). Under
+    tensor parallelism (`tp` workers a replica) a worker holds its shard's heads: 1/tp of the widths."""
     if streamed:
-        return (4 * shape.kv_size + 2 * shape.q_size) * -(-tokens // replicas) * FP32
-    return (5 * shape.kv_size + 6 * shape.head_dim) * tokens * FP32
+        return (4 * shape.kv_size + 2 * shape.q_size) // tp * -(-tokens // replicas) * FP32
+    return (5 * shape.kv_size // tp + 6 * shape.head_dim) * tokens * FP32
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, rows: int, tp: int = 1) -> int:

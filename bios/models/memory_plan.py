@@ -261,7 +261,8 @@ def choose_plan(
                         plan = replace(plan, batch_tokens=plan.batch_tokens * 2, estimate=wider)
                     long_pass = partial(sized, activation_checkpointing=True, mlp_chunk=MLP_CHUNK_TOKENS)
                     rows = partial(longest_row, usable_bytes=USABLE_FRACTION * budget_bytes, fits=plan.batch_tokens,
-                                   context=shape.max_context_length, shape=shape, streamed=device_type == "cpu")
+                                   context=shape.max_context_length, shape=shape, streamed=device_type == "cpu",
+                                   tp=tp)
                     # a prompt's prefill, a pass at a time, keeps no more than a checkpointed training pass
                     prefill = sized(batch_tokens=plan.batch_tokens, activation_checkpointing=True)
                     # a long row splits over replicas (each of `tp` workers)

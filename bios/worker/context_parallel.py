@@ -122,7 +122,7 @@ class SequenceShare:
         return found
 
     def attend_by_chunks(self, query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
-        """`attend` where the interval kernel does not run (CUDA, other head widths): each of the two chunks'
+        """`attend` off CPU (CUDA), over the whole row's gathered keys and values: each of the two chunks'
         queries over the keys up to the chunk's end, causal from the bottom right (SDPA with a lower-right causal
         bias, which CUDA's memory-efficient kernel runs without a mask)."""
         from torch.nn.attention.bias import causal_lower_right
@@ -152,9 +152,9 @@ def _chunk_slices(length: int, world: int, rank: int) -> list[tuple[int, slice]]
 class _StreamedAttention(torch.autograd.Function):
     """`SequenceShare.attend` on CPU, fp32: this replica's queries [1, Hq, n, D] over every source's keys and
     values [1, Hkv, n_source, D] (grouped queries as they are: the kernel takes them), one source at a time;
-    -> [1, Hq, n, D]. Backward takes the keys and values again from each source
-    and sums their gradients onto it (`reduce_to_replica_`), as ring attention does (with the merged output and
-    log-sum-exp, each pair's backward is that of the whole row's attention)."""
+    -> [1, Hq, n, D]. Backward takes the keys and values again from each source and sums their gradients onto
+    it (`reduce_to_replica_`), as ring attention does (with the merged output and log-sum-exp, each pair's
+    backward is that of the whole row's attention)."""
 
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, share: SequenceShare, scale: float) -> Tensor:

@@ -36,8 +36,8 @@ _EXTRAS = ("softcap", "s_aux", "position_bias", "sinks")
 # The interval kernel runs each block of queries against all its keys: past ~10k keys in a row they no longer stay
 # in cache, and PyTorch's CPU flash attention, which tiles the keys, is faster. One causal row, 4 query heads over
 # 2, head 64, forward and backward on 2 threads (AMD EPYC): 8k keys 0.80 s vs 0.89 s, 12k 2.8 vs 1.8 s, 16k 6.1 vs
-# 3.3 s. Longer calls without a mask (a causal row) go to SDPA (a split row's share has no such choice: SDPA would
-# need a materialized mask).
+# 3.3 s. Longer calls without a mask (a causal row) go to SDPA (a split row's share runs PyTorch's CPU flash
+# attention too, chunk by chunk: `context_parallel`).
 SDPA_FROM_KEYS = 10240
 
 

@@ -2,12 +2,12 @@
 them: which rows split, each replica's share of one, and the whole row's output put together from the shares.
 
 A row splits when it is longer than its base model's pass (`tokens_per_pass`), the group has several replicas
-(each of one worker, or of a tensor-parallel group: then each shard holder gathers its heads' keys and values
+(each of one worker, or of a tensor-parallel group: then each shard holder takes its heads' keys and values
 from the same shard's holders of the other replicas), the model runs Bios's attention, and the request allows
 (`spec.splits_rows`: a loss that sums per-token terms, no images). The planner sizes the longest row it
 accepts the same way (`bios.models.long_rows.longest_row`). Every member walks the split rows in the same order,
-since each layer of each row gathers from all of them. A long row that does not split runs alone on one worker
-(one tensor-parallel replica), checkpointed.
+since each layer of each row takes keys and values from all of them. A long row that does not split runs alone
+on one worker (one tensor-parallel replica), checkpointed.
 """
 
 from __future__ import annotations
