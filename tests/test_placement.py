@@ -95,6 +95,32 @@ def test_a_model_blocked_by_live_runs_says_who_holds_the_workers():
     assert third.group_of_model("L").tp == 2 and not third.unplaced and third.group_of_model("S").workers
 
 
+def cut(weights_gib: float):
+    """A model's `plan_at`: over tp workers each holds 1/tp of its weights."""
+    return lambda tp: plan(weights_gib / tp, tp=tp)
+
+
+def test_a_model_blocked_by_an_unsplit_group_shares_it_with_the_group_s_models_cut_as_many_ways():
+    """S holds both workers unsplit; L needs two: S's adapters are cut in two and L joins its group, where both
+    fit split. L first, then S: S is cut to L's size. Too big together even cut: L waits as before."""
+    two = {"w1": BUDGET, "w2": BUDGET}
+    small = ModelNeed("S", plan(0.6), plan_at=cut(0.6))
+    second = place(two, [small, L], place(two, [small]))
+    group = second.group_of_model("L")
+    assert (group.group_id, group.models, group.workers, group.tp) == ("S", ("S", "L"), ("w1", "w2"), 2)
+    assert not second.unplaced and not second.blocked
+    assert any("S cut over 2 workers, so L shares S's group (w1, w2)" in why for why in second.reasons), \
+        second.reasons
+    assert place(two, [small, L], second).layout() == second.layout()  # and it stays so
+    after_l = place(two, [L, small], place(two, [L]))
+    assert [(g.models, g.tp) for g in after_l.groups] == [(("L", "S"), 2)] and not after_l.unplaced
+    big = ModelNeed("S", plan(2.5), plan_at=cut(2.5))
+    blocked = place(two, [big, L], place(two, [big]))
+    assert blocked.blocked == ("L",) and blocked.group_of_model("S").tp == 1
+    uncut = ModelNeed("S", plan(0.6), plan_at=lambda tp: None)  # its plan cannot be split (heads, say)
+    assert place(two, [uncut, L], place(two, [uncut])).blocked == ("L",)
+
+
 def test_a_leave_replaces_from_spares_and_a_join_goes_to_the_busiest_group():
     needs = [ModelNeed("S", S.plan, demand=0), ModelNeed("L", L.plan, demand=40)]
     both = place(FOUR, [S, L], place(FOUR, [S]))

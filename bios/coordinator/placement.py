@@ -13,21 +13,25 @@ workers, so nobody reloads and every adapter keeps a holder) and:
 - dissolves the groups whose base models no run uses any more, and drops dead workers;
 - gives each new base model a group of its own, of the plan's tensor-parallel size: from idle workers, else
   from replicas other groups can spare (a donor keeps at least one replica, and so a holder of every shard),
-  else inside a group of the same size whose workers hold it too; else the model stays unplaced, with why;
+  else inside a group of the same size whose workers hold it too, else inside a group where, cut the same
+  number of ways (an unsplit group's adapters cut anew, or the model cut to a split group's size), they fit
+  together (`_recut_into`); else the model stays unplaced, with why;
 - hands idle workers to the groups, a whole replica at a time, the busiest group (queued work per replica)
   first; a worker that can hold nothing waits (parked), with why;
 - gives a model that shares an unsplit group a group of its own once two of the group's replicas hold its runs'
   state (`_unshare`): the workers that move take its adapters with them.
 
-A group keeps its tensor-parallel size while it lives: its runs' adapters are cut that way (re-cutting them is
-not built), and a model's plan only chooses the size when its group is made.
+A group keeps its tensor-parallel size while it lives, but for `_recut_into`: its runs' adapters are cut that
+way, and a model's plan only chooses the size when its group is made. Cutting whole adapters into shards is
+built (every holder has the whole adapter); gathering shards to cut them another way is not, so a split group
+never changes its size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bios.models.memory_plan import USABLE_FRACTION, GiB, Plan
@@ -40,6 +44,8 @@ class ModelNeed:
     base_model: str
     plan: Plan | None  # None: not planned (the coordinator cannot read its config): one worker a replica
     demand: float = 0.0  # its recent and queued work (tokens x its size: only ratios count), which replicas follow
+    # its plan cut over that many workers (None: it cannot be), for a group cut anew (`_recut_into`)
+    plan_at: Callable[[int], Plan | None] | None = field(default=None, compare=False)
 
     @property
     def tp(self) -> int:
@@ -232,6 +238,9 @@ def _place_model(state: _Placing, need: ModelNeed) -> tuple[str, bool] | None:
             state.reasons.append(f"{name} shares {group.group_id}'s group ({', '.join(group.workers)}): no "
                                  f"{tp} worker(s) are free, and theirs hold both")
             return None
+    for group in sorted(state.groups, key=lambda g: (state.demand(g), g.group_id)):
+        if _recut_into(state, group, need):
+            return None
     holders = [w for w in state.budgets if state.holds(w, [name])]
     if len(holders) < tp:
         return (f"{name} needs {tp} worker(s) with {smallest_budget([need.plan])} "
@@ -241,6 +250,34 @@ def _place_model(state: _Placing, need: ModelNeed) -> tuple[str, bool] | None:
     return (f"{name} needs {tp} worker(s) to itself, or a group of {tp} whose workers hold it too, and every "
             f"worker that could hold it serves other live runs ({busy}): it waits for workers to join or for "
             "those runs to end (their adapters are not re-cut for another run)"), True
+
+
+def _recut_into(state: _Placing, group: _Group, need: ModelNeed) -> bool:
+    """Place `need` in `group` with everything cut the larger of their tensor-parallel ways: an unsplit group's
+    models (the whole adapters its workers hold are cut anew when it forms again), or the new model to the
+    group's size; when every worker of the group's first whole replicas of that size then holds them all
+    (`fits`). The group's other workers go idle. Nothing waits for another run's plan. True if placed."""
+    tp = max(group.tp, need.tp)
+    if group.tp not in (1, tp) or len(group.workers) < tp:
+        return False
+    models = [*group.models, need.base_model]
+    cut = {name: state.needs[name].plan if state.needs[name].tp == tp else
+           state.needs[name].plan_at(tp) if state.needs[name].plan_at else None for name in models}
+    if any(plan is None for plan in cut.values()):
+        return False
+    kept = group.workers[:len(group.workers) // tp * tp]
+    if not all(fits(state.budgets[w], list(cut.values())) for w in kept):
+        return False
+    recut = [name for name in models if state.needs[name].tp != tp]
+    for name in recut:
+        state.needs[name] = dataclasses.replace(state.needs[name], plan=cut[name])
+    state.idle.extend(w for w in group.workers if w not in kept)
+    group.workers[:], group.tp = kept, tp
+    group.models.append(need.base_model)
+    state.reasons.append(f"{', '.join(recut)} cut over {tp} workers, so {need.base_model} shares "
+                         f"{group.group_id}'s group ({', '.join(kept)}): no {need.tp} worker(s) are free, and each "
+                         f"holds them all split {tp} ways")
+    return True
 
 
 def _spare(state: _Placing, models: list[str], count: int) -> list[str]:

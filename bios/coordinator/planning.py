@@ -57,6 +57,7 @@ class PlanChoice:
     note: str
     placement: Placement | None = None  # the placement with this model placed (None: unchanged)
     waiting: t.LoraConfig | None = None  # planned again once workers join
+    cut: Callable[[int], Plan | None] | None = None  # its plan over that many tensor-parallel workers (or None)
 
 
 class PoolPlanner:
@@ -69,6 +70,7 @@ class PoolPlanner:
         self.placement = Placement()
         self.base_of: dict[str, str] = {}  # run (model id) -> its base model, kept by the scheduler
         self.whole_rows: set[str] = set()  # base models whose long rows run whole on one worker (`loaded`)
+        self.cutters: dict[str, Callable[[int], Plan | None]] = {}  # base model -> `PlanChoice.cut`
         self._ran: deque[tuple[float, str, int]] = deque()  # (when, base model, tokens) of recent cycles
         self._moved_at = float("-inf")
 
@@ -98,19 +100,23 @@ class PoolPlanner:
         else:
             serving = _serving(budgets, plan_for)
             plan = plan_for(min(serving.values()), workers=len(serving))
-        return PlanChoice(base_model, plan, plan.describe(), self._placed(base_model, plan))
+        cut = partial(_cut, plan_for, plan.budget_bytes)
+        return PlanChoice(base_model, plan, plan.describe(), self._placed(base_model, plan, cut), cut=cut)
 
-    def _placed(self, base_model: str, plan: Plan | None) -> Placement:
-        placement = place(self._budgets(), self._needs({base_model: plan}), self.placement, self._affinity())
+    def _placed(self, base_model: str, plan: Plan | None,
+                cut: Callable[[int], Plan | None] | None = None) -> Placement:
+        placement = place(self._budgets(), self._needs({base_model: plan}, cuts={base_model: cut} if cut else None),
+                          self.placement, self._affinity())
         why = dict(placement.unplaced).get(base_model)
         if why is not None and base_model not in placement.blocked:
             raise BadRequestError(why, field="base_model")
         return placement
 
-    def _needs(self, extra: dict[str, Plan | None] | None = None,
-               demand: dict[str, float] | None = None) -> list[ModelNeed]:
+    def _needs(self, extra: dict[str, Plan | None] | None = None, demand: dict[str, float] | None = None,
+               cuts: dict[str, Callable[[int], Plan | None]] | None = None) -> list[ModelNeed]:
         plans = {**{name: plan for name, plan in self.plans.items() if name not in self.waiting}, **(extra or {})}
-        return [ModelNeed(name, plan, (demand or {}).get(name, 0)) for name, plan in plans.items()]
+        cutters = {**self.cutters, **(cuts or {})}
+        return [ModelNeed(name, plan, (demand or {}).get(name, 0), cutters.get(name)) for name, plan in plans.items()]
 
     def _budgets(self) -> dict[str, int]:
         return {worker.worker_id: worker.memory_bytes for worker in self.workers()}
@@ -184,22 +190,38 @@ class PoolPlanner:
         else:  # nothing moved: the reasons shown stay those of the last change
             placement = dataclasses.replace(placement, reasons=self.placement.reasons)
         self.placement = placement
+        self._follow_groups()
         return placement
 
     def adopt(self, choice: PlanChoice) -> None:
         self.plans[choice.base_model] = choice.plan
         self.notes[choice.base_model] = choice.note
+        if choice.cut is not None:
+            self.cutters[choice.base_model] = choice.cut
         if choice.waiting is not None:
             self.waiting[choice.base_model] = choice.waiting
         if choice.placement is not None:
             for why in choice.placement.reasons:
                 log.info("placement: %s", why)
             self.placement = choice.placement
+            self._follow_groups()
+
+    def _follow_groups(self) -> None:
+        """A model placed in a group cut another number of ways (`placement._recut_into`) takes its plan at the
+        group's tensor-parallel size."""
+        for group in self.placement.groups:
+            for name in group.models:
+                plan, cut = self.plans.get(name), self.cutters.get(name)
+                if plan is not None and plan.tp != group.tp and cut is not None and (cut_plan := cut(group.tp)):
+                    self.plans[name], self.notes[name] = cut_plan, cut_plan.describe()
+                    log.info("%s is planned over %d tensor-parallel workers now: %s", name, group.tp,
+                             cut_plan.describe())
 
     def forget(self, base_model: str) -> None:
         """No run uses `base_model` any more: drop its plan and its line in `bios status`."""
         self.plans.pop(base_model, None)
         self.notes.pop(base_model, None)
+        self.cutters.pop(base_model, None)
         self.halved.discard(base_model)
         self.waiting.pop(base_model, None)
 
@@ -343,6 +365,14 @@ class PoolPlanner:
             plans.append(m.ModelPlan(name) if plan is None else
                          m.ModelPlan(name, plan.activation_checkpointing, plan.batch_tokens))
         return plans
+
+
+def _cut(plan_for: Callable[..., Plan], budget: int, tp: int) -> Plan | None:
+    """The plan over `tp` tensor-parallel workers of `budget` bytes (`PlanChoice.cut`); None if none fits."""
+    try:
+        return plan_for(budget, workers=tp, tp=tp)
+    except BadRequestError:
+        return None
 
 
 def _serving(budgets: dict[str, int], plan_for: Callable[..., Plan]) -> dict[str, int]:

@@ -19,8 +19,8 @@ def rank_members(members: list[Member], tp: int, holder_ids: set[str], shards: d
     holders = [mb for mb in members if mb.worker_id in holder_ids]
     others = [mb for mb in members if mb.worker_id not in holder_ids]
     size = len(members) // tp * tp
-    if current_tp == tp == 1:  # the holders have whole adapters (or there are none)
-        return holders + others, 1 if holders else None
+    if current_tp == 1:  # the holders have whole adapters (or there are none): rank 0 sends them, cut if tp > 1
+        return (holders + others)[:size], 1 if holders else None
     if current_tp != tp:
         if holders:
             log.error("adapters held over %d worker(s) are not re-split over %d: they restore from their latest "

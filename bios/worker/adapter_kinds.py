@@ -9,8 +9,9 @@ checkpoint is the one a single worker would write.
 Both offer what a cycle does to an adapter: sum this cycle's gradient over the generation (`sum_grads`), then
 `commit` it (returning the whole adapter's gradient norm) or `discard` it, take an optimizer step, gather the
 whole adapter (`whole`: saves, exports), load a whole checkpoint into it, and take replica 0's copy when a new
-generation forms. `adapter_kind` reads which kind a base model needs off the model itself; the executor calls the
-methods without knowing the kind.
+generation forms (a shard: rank 0's whole adapter cut anew, when the last generation held it unsplit).
+`adapter_kind` reads which kind a base model needs off the model itself; the executor calls the methods without
+knowing the kind.
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class Adapter(ABC):
         for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
             group.broadcast_from_replica_(buffer, replica)
         state.step = int(step.item())
+
+    def cut_from_whole(self, group: CollectiveGroup, whole: AdapterState | None) -> None:
+        """Become this member's part of the whole adapter rank 0 holds (`whole`, there): for a whole adapter,
+        rank 0's copy."""
+        self.take_from_replica(group, 0)
 
 
 def adapter_kind(base: LoadedModel) -> type[Adapter]:
@@ -252,6 +258,23 @@ class ShardedAdapter(Adapter):
     def take_from_replica(self, group: CollectiveGroup, replica: int = 0) -> None:
         self.grad_norm = None  # every holder takes the norm afresh, in the same collectives
         super().take_from_replica(group, replica)
+
+    def cut_from_whole(self, group: CollectiveGroup, whole: AdapterState | None) -> None:
+        """Become this shard of the whole adapter rank 0 holds (`whole`, there; the last generation held it
+        unsplit): params, committed gradient, moments and step, broadcast whole and cut here."""
+        self.grad_norm = None
+        shard, info = self.state, self.info
+        full = AdapterState(shard.model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
+                            shard.seed, shard.params.device)
+        if group.rank == 0:
+            if whole is None or whole.params.numel() != full.params.numel():
+                raise RuntimeError(f"rank 0 holds no whole adapter {shard.model_id} to cut into shards")
+            full = whole
+        step = torch.tensor([full.step], dtype=torch.int64)
+        for buffer in (full.params, full.grad, full.exp_avg, full.exp_avg_sq, step):
+            group.broadcast_(buffer, 0)
+        full.step = int(step.item())
+        copy_full_into_shard(full, shard, info)
 
 
 def _shared_seed(lora: t.LoraConfig) -> int:

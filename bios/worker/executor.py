@@ -261,12 +261,15 @@ class CycleExecutor:
 
     def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
         """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
-        shard (rank 0 without tensor parallelism), the replica `msg.sources` names, or its checkpoint."""
+        shard (rank 0 without tensor parallelism), the replica `msg.sources` names, or its checkpoint; cut into
+        shards from rank 0's whole adapter when the last generation held it unsplit (`msg.source_tp` 1)."""
         wanted = {held.model_id: held for held in msg.adapters}
-        if msg.source_tp != msg.tp and any(held.model_id not in msg.restore for held in msg.adapters):
+        if msg.source_tp not in (1, msg.tp) and any(held.model_id not in msg.restore for held in msg.adapters):
             raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
         for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
             del self.pool.adapters[model_id]
+        # held whole, now cut into shards: rank 0's whole adapters, kept past `configure` (which drops them)
+        recut = {mid: adapter.state for mid, adapter in self.pool.adapters.items()} if msg.source_tp != msg.tp else None
         self.parts.clear()  # requests cut over cycles start again: their pending gradients are discarded below
         self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
@@ -282,7 +285,11 @@ class CycleExecutor:
         for model_id in sorted(wanted):
             adapter = self.pool.adapters[model_id]
             adapter.discard()
-            if model_id not in msg.restore:
+            if model_id in msg.restore:
+                continue
+            if recut is not None:
+                adapter.cut_from_whole(self.group, recut.get(model_id))
+            else:
                 adapter.take_from_replica(self.group, msg.sources.get(model_id, 0))
         return self._checksums(wanted)
 
