@@ -249,7 +249,7 @@ def _place_model(state: _Placing, need: ModelNeed) -> tuple[str, bool] | None:
                      for g in state.groups)
     return (f"{name} needs {tp} worker(s) to itself, or a group of {tp} whose workers hold it too, and every "
             f"worker that could hold it serves other live runs ({busy}): it waits for workers to join or for "
-            "those runs to end (their adapters are not re-cut for another run)"), True
+            "those runs to end (no group of theirs takes it, even with its models cut another number of ways)"), True
 
 
 def _recut_into(state: _Placing, group: _Group, need: ModelNeed) -> bool:

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 
-
 def share_chunks(length: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The two chunks ([start, end) positions) replica `rank` of `world` takes of a row of `length`: chunks rank
     and 2*world-1-rank of 2*world as equal as can be."""
