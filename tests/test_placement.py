@@ -102,7 +102,8 @@ def cut(weights_gib: float):
 
 def test_a_model_blocked_by_an_unsplit_group_shares_it_with_the_group_s_models_cut_as_many_ways():
     """S holds both workers unsplit; L needs two: S's adapters are cut in two and L joins its group, where both
-    fit split. L first, then S: S is cut to L's size. Too big together even cut: L waits as before."""
+    fit split. L first, then S: S is cut to L's size. Too big together even cut: L waits as before. A split
+    group is cut another number of ways the same way."""
     two = {"w1": BUDGET, "w2": BUDGET}
     small = ModelNeed("S", plan(0.6), plan_at=cut(0.6))
     second = place(two, [small, L], place(two, [small]))
@@ -119,6 +120,11 @@ def test_a_model_blocked_by_an_unsplit_group_shares_it_with_the_group_s_models_c
     assert blocked.blocked == ("L",) and blocked.group_of_model("S").tp == 1
     uncut = ModelNeed("S", plan(0.6), plan_at=lambda tp: None)  # its plan cannot be split (heads, say)
     assert place(two, [uncut, L], place(two, [uncut])).blocked == ("L",)
+    # A split group is cut anew too: two replicas of 2 become one of 4 beside a model that needs 4
+    medium = ModelNeed("M", plan(1.2, tp=2), plan_at=cut(2.4))
+    huge = ModelNeed("H", plan(1.5, tp=4))
+    both = place(FOUR, [medium, huge], place(FOUR, [medium]))
+    assert [(g.models, g.tp, len(g.workers)) for g in both.groups] == [(("M", "H"), 4, 4)] and not both.unplaced
 
 
 def test_a_leave_replaces_from_spares_and_a_join_goes_to_the_busiest_group():

@@ -22,6 +22,7 @@ from transformers import LlamaForCausalLM
 from bios.models import load_base_model, resolve_model_dir
 from bios.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 from bios.worker.adapter import AdapterState
+from bios.worker.adapter_kinds import HeldState, WholeAdapter, whole_on_rank_zero
 from bios.worker.attention import use_bios_attention
 from bios.worker.collectives import CollectiveGroup
 from bios.worker.context_parallel import SequenceShare
@@ -208,7 +209,33 @@ def tp2_dp2_work(rank: int, world: int) -> dict[str, Any]:
     half = batch()[2 * replica : 2 * replica + 2]
     train = _train(model, adapter, info, half, tp_groups[replica], dp_groups[tp_rank])
     full = gather_full_adapter(adapter, info, tp_groups[replica])
-    return {"train": train, "final": full.state_dict(), "moments": full.optimizer_state(), "split": split}
+    return {"train": train, "final": full.state_dict(), "moments": full.optimizer_state(), "split": split,
+            "recut": recut_to_whole(model, adapter, info, rank, world, tp_groups[replica], dp_groups[tp_rank])}
+
+
+def recut_to_whole(model, adapter: AdapterState, info: ShardInfo, rank: int, world: int, tp_group,
+                   dp_group) -> dict[str, Any]:
+    """A new generation of the four holds the adapter whole (tp 1), where the last held shards of 2: ranks 0
+    and 1 (replica 0's shards 0 and 1) put it together on rank 0 (`whole_on_rank_zero`), and every rank takes
+    it (`cut_from_whole`), a summed gradient not yet applied included. One optimizer step then runs each way:
+    whole on every rank, and on the shards; the two must agree."""
+    [_] = forward_backward(model, [ForwardItem(adapter, batch()[2 * (rank // 2): 2 * (rank // 2) + 2],
+                                               "cross_entropy")])
+    reduce_shared_grads(adapter, info, tp_group)
+    dist.all_reduce(adapter.pending_grad, group=dp_group)
+    commit_sharded_gradients(adapter, info, tp_group)
+    group = CollectiveGroup.__new__(CollectiveGroup)  # the new generation: all four, no tensor parallelism
+    group.generation, group.rank, group.world, group.tp = 2, rank, world, 1
+    group.tp_group = group.dp_group = None
+    whole = WholeAdapter(AdapterState.create("a", tiny_llama(), LORA, device="cpu"), None, "tiny")
+    held = HeldState(adapter, info) if rank < 2 else None  # what `ShardedAdapter.held` keeps
+    whole.cut_from_whole(group, whole_on_rank_zero(group, held, 2))
+    optim_step(whole.state, ADAM)
+    sharded_optim_step(adapter, ADAM, info, tp_group)
+    expected = gather_full_adapter(adapter, info, tp_group)
+    return {"whole": whole.state.state_dict(), "moments": whole.state.optimizer_state(), "step": whole.state.step,
+            "expected": expected.state_dict(), "expected_moments": expected.optimizer_state(),
+            "expected_step": expected.step}
 
 
 def long_row() -> Datum:
@@ -391,6 +418,18 @@ def test_a_row_split_over_two_tensor_parallel_replicas_equals_one_worker(tp2_dp2
     assert sorted(torch.cat([w["positions"] for w in workers[0::2]]).tolist()) == list(range(40))
     assert_states_close(gather_adapter_state([workers[0]["grads"], workers[1]["grads"]], layout), grads, "gradient")
     assert_states_close(gather_adapter_state([workers[2]["grads"], workers[3]["grads"]], layout), grads, "gradient")
+
+
+def test_an_adapter_held_in_shards_is_put_together_and_held_whole_by_a_new_generation(tp2_dp2):
+    """Re-cutting a group (`placement._recut_into`) from 2 ways to 1: the whole adapter every rank of the new
+    generation takes (params, moments, step, and a summed gradient not yet applied, as one more step shows)
+    equals the shards' after the same step."""
+    for worker in tp2_dp2:
+        recut = worker["recut"]
+        assert recut["step"] == recut["expected_step"]
+        assert_states_close(recut["whole"], recut["expected"], "weights")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(recut["moments"][key], recut["expected_moments"][key], key)
 
 
 def test_sharding_splits_weights_and_adapters_losslessly(layout):

@@ -14,17 +14,17 @@ workers, so nobody reloads and every adapter keeps a holder) and:
 - gives each new base model a group of its own, of the plan's tensor-parallel size: from idle workers, else
   from replicas other groups can spare (a donor keeps at least one replica, and so a holder of every shard),
   else inside a group of the same size whose workers hold it too, else inside a group where, cut the same
-  number of ways (an unsplit group's adapters cut anew, or the model cut to a split group's size), they fit
-  together (`_recut_into`); else the model stays unplaced, with why;
+  number of ways (the group's adapters cut anew, or the model cut to the group's size), they fit together
+  (`_recut_into`); else the model stays unplaced, with why;
 - hands idle workers to the groups, a whole replica at a time, the busiest group (queued work per replica)
   first; a worker that can hold nothing waits (parked), with why;
 - gives a model that shares an unsplit group a group of its own once two of the group's replicas hold its runs'
   state (`_unshare`): the workers that move take its adapters with them.
 
 A group keeps its tensor-parallel size while it lives, but for `_recut_into`: its runs' adapters are cut that
-way, and a model's plan only chooses the size when its group is made. Cutting whole adapters into shards is
-built (every holder has the whole adapter); gathering shards to cut them another way is not, so a split group
-never changes its size.
+way, and a model's plan only chooses the size when its group is made. When a group is cut anew, its next
+generation puts each adapter together on rank 0 from the holders of its shards and cuts it the new way
+(`bios.worker.adapter_kinds.whole_on_rank_zero`).
 """
 
 from __future__ import annotations
@@ -253,12 +253,12 @@ def _place_model(state: _Placing, need: ModelNeed) -> tuple[str, bool] | None:
 
 
 def _recut_into(state: _Placing, group: _Group, need: ModelNeed) -> bool:
-    """Place `need` in `group` with everything cut the larger of their tensor-parallel ways: an unsplit group's
-    models (the whole adapters its workers hold are cut anew when it forms again), or the new model to the
-    group's size; when every worker of the group's first whole replicas of that size then holds them all
-    (`fits`). The group's other workers go idle. Nothing waits for another run's plan. True if placed."""
+    """Place `need` in `group` with everything cut the larger of their tensor-parallel ways: the group's models
+    (their adapters are put together and cut anew when it forms again), or the new model to the group's size;
+    when every worker of the group's first whole replicas of that size then holds them all (`fits`). The
+    group's other workers go idle. Nothing waits for another run's plan. True if placed."""
     tp = max(group.tp, need.tp)
-    if group.tp not in (1, tp) or len(group.workers) < tp:
+    if len(group.workers) < tp:
         return False
     models = [*group.models, need.base_model]
     cut = {name: state.needs[name].plan if state.needs[name].tp == tp else

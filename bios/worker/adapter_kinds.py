@@ -30,12 +30,14 @@ from . import engine
 from .adapter import AdapterState, validate_lora_config
 from .checkpoint import load_into, restore_adapter, sampler_adapter
 from .sharded_adapter import (
+    assemble_full_adapter,
     copy_full_into_shard,
     create_sharded_adapter,
     full_parameter_count,
     gather_full_adapter,
     reduce_shared_grads,
     restore_sharded_adapter,
+    shard_buffers,
     shard_checkpoint,
     sharded_grad_norm,
     sharded_optim_step,
@@ -112,10 +114,72 @@ class Adapter(ABC):
             group.broadcast_from_replica_(buffer, replica)
         state.step = int(step.item())
 
+    def held(self) -> HeldState:
+        """What this member holds of the adapter, kept past a new generation's `configure` for `whole_on_rank_zero`."""
+        return HeldState(self.state, None)
+
     def cut_from_whole(self, group: CollectiveGroup, whole: AdapterState | None) -> None:
-        """Become this member's part of the whole adapter rank 0 holds (`whole`, there): for a whole adapter,
-        rank 0's copy."""
-        self.take_from_replica(group, 0)
+        """Become this member's part of the whole adapter rank 0 has (`whole`, there: `whole_on_rank_zero`; the
+        last generation held it split another way): params, committed gradient, moments and step, broadcast
+        whole and kept as this member holds it."""
+        full = self._whole_layout()
+        if group.rank == 0:
+            if whole is None or whole.params.numel() != full.params.numel():
+                raise RuntimeError(f"rank 0 holds no whole adapter {self.state.model_id} to cut anew")
+            full = whole
+        step = torch.tensor([full.step], dtype=torch.int64)
+        for buffer in (full.params, full.grad, full.exp_avg, full.exp_avg_sq, step):
+            group.broadcast_(buffer, 0)
+        full.step = int(step.item())
+        self._keep(full)
+
+    def _whole_layout(self) -> AdapterState:
+        """An empty whole adapter of this one's targets (to receive one)."""
+        state = self.state
+        return AdapterState(state.model_id, state.config, state.targets, state.seed, state.params.device)
+
+    @torch.no_grad()
+    def _keep(self, full: AdapterState) -> None:
+        """Hold `full` (a whole adapter of this one's targets)."""
+        state = self.state
+        if full is not state:
+            for mine, theirs in ((state.params, full.params), (state.grad, full.grad), (state.exp_avg, full.exp_avg),
+                                 (state.exp_avg_sq, full.exp_avg_sq)):
+                mine.copy_(theirs)
+        state.step = full.step
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """An adapter as a member held it in the last generation: its state and, for a shard, the layout."""
+
+    state: AdapterState
+    info: ShardInfo | None  # None: held whole
+
+
+def whole_on_rank_zero(group: CollectiveGroup, held: HeldState | None, source_tp: int) -> AdapterState | None:
+    """The whole adapter on rank 0 of a new generation whose ranks 0 .. `source_tp`-1 held its shards 0 ..
+    `source_tp`-1 in the last (rank 0 held it whole if `source_tp` is 1): each sends its shard's buffers (params,
+    committed gradient, moments) by broadcast, rank 0 puts them together. None on the other ranks."""
+    if source_tp == 1:
+        return held.state if group.rank == 0 and held is not None else None
+    parts = []
+    for rank in range(source_tp):
+        if group.rank == rank:
+            if held is None or held.info is None or held.info.rank != rank:
+                raise RuntimeError(f"rank {rank} of the new generation holds no shard {rank} of an adapter to send")
+            part = torch.stack(shard_buffers(held.state, with_grad=True))
+            size = torch.tensor(part.shape, dtype=torch.int64)
+        else:
+            size = torch.zeros(2, dtype=torch.int64)
+        group.broadcast_(size, rank)
+        if group.rank != rank:
+            part = torch.empty(*size.tolist())
+        group.broadcast_(part, rank)
+        parts.append(part)
+    if group.rank != 0:
+        return None
+    return assemble_full_adapter(held.state, held.info, parts, with_grad=True)
 
 
 def adapter_kind(base: LoadedModel) -> type[Adapter]:
@@ -259,22 +323,20 @@ class ShardedAdapter(Adapter):
         self.grad_norm = None  # every holder takes the norm afresh, in the same collectives
         super().take_from_replica(group, replica)
 
+    def held(self) -> HeldState:
+        return HeldState(self.state, self.info)
+
     def cut_from_whole(self, group: CollectiveGroup, whole: AdapterState | None) -> None:
-        """Become this shard of the whole adapter rank 0 holds (`whole`, there; the last generation held it
-        unsplit): params, committed gradient, moments and step, broadcast whole and cut here."""
-        self.grad_norm = None
+        self.grad_norm = None  # every holder takes the norm afresh
+        super().cut_from_whole(group, whole)
+
+    def _whole_layout(self) -> AdapterState:
         shard, info = self.state, self.info
-        full = AdapterState(shard.model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
+        return AdapterState(shard.model_id, shard.config, [info.full_target(t.module_name) for t in shard.targets],
                             shard.seed, shard.params.device)
-        if group.rank == 0:
-            if whole is None or whole.params.numel() != full.params.numel():
-                raise RuntimeError(f"rank 0 holds no whole adapter {shard.model_id} to cut into shards")
-            full = whole
-        step = torch.tensor([full.step], dtype=torch.int64)
-        for buffer in (full.params, full.grad, full.exp_avg, full.exp_avg_sq, step):
-            group.broadcast_(buffer, 0)
-        full.step = int(step.item())
-        copy_full_into_shard(full, shard, info)
+
+    def _keep(self, full: AdapterState) -> None:
+        copy_full_into_shard(full, self.state, self.info)
 
 
 def _shared_seed(lora: t.LoraConfig) -> int:

@@ -34,7 +34,7 @@ from bios.exceptions import BadRequestError, RemoteError
 from bios.kernels.prepacked import PrepackedWeights
 
 from . import engine, split_rows
-from .adapter_kinds import Adapter
+from .adapter_kinds import Adapter, whole_on_rank_zero
 from .checkpoint import export_state
 from .collectives import CollectiveError, CollectiveGroup
 from .context_parallel import SequenceShare
@@ -261,15 +261,15 @@ class CycleExecutor:
 
     def reconfigure(self, msg: m.Reconfigure) -> dict[str, float]:
         """Join a new generation and make every adapter identical to its source: replica 0's holder of the same
-        shard (rank 0 without tensor parallelism), the replica `msg.sources` names, or its checkpoint; cut into
-        shards from rank 0's whole adapter when the last generation held it unsplit (`msg.source_tp` 1)."""
+        shard (rank 0 without tensor parallelism), the replica `msg.sources` names, or its checkpoint; when the last
+        generation held it split another way (`msg.source_tp`), put together whole on rank 0 from the shard
+        holders ranked first, then cut anew (`whole_on_rank_zero`, `Adapter.cut_from_whole`)."""
         wanted = {held.model_id: held for held in msg.adapters}
-        if msg.source_tp not in (1, msg.tp) and any(held.model_id not in msg.restore for held in msg.adapters):
-            raise NotImplementedError(f"receiving adapters held over {msg.source_tp} worker(s) as shards of {msg.tp}")
         for model_id in [mid for mid in self.pool.adapters if mid not in wanted]:
             del self.pool.adapters[model_id]
-        # held whole, now cut into shards: rank 0's whole adapters, kept past `configure` (which drops them)
-        recut = {mid: adapter.state for mid, adapter in self.pool.adapters.items()} if msg.source_tp != msg.tp else None
+        # cut another way now: what this member held, kept past `configure` (which drops it)
+        recut = ({mid: adapter.held() for mid, adapter in self.pool.adapters.items()}
+                 if msg.source_tp != msg.tp else None)
         self.parts.clear()  # requests cut over cycles start again: their pending gradients are discarded below
         self.pool.configure(msg.tp, msg.rank % msg.tp, msg.plans)
         self.group.rebuild(msg.generation, msg.rank, msg.world, msg.master_host, msg.master_port, msg.timeout_s,
@@ -288,7 +288,7 @@ class CycleExecutor:
             if model_id in msg.restore:
                 continue
             if recut is not None:
-                adapter.cut_from_whole(self.group, recut.get(model_id))
+                adapter.cut_from_whole(self.group, whole_on_rank_zero(self.group, recut.get(model_id), msg.source_tp))
             else:
                 adapter.take_from_replica(self.group, msg.sources.get(model_id, 0))
         return self._checksums(wanted)

@@ -141,25 +141,37 @@ def gather_full_adapter(
     One all-gather of the stacked flat buffers. The result is an ordinary `AdapterState` on the full targets,
     so `export_state`, `state_dict` and the checkpoint code work on it unchanged.
     """
-    buffers = [adapter.params, adapter.exp_avg, adapter.exp_avg_sq] if adapter.trainable else [adapter.params]
-    stacked = torch.stack(buffers)
+    stacked = torch.stack(shard_buffers(adapter, with_grad=False))
     parts = [torch.empty_like(stacked) for _ in range(info.world)]
     if info.world > 1:
         completed(dist.all_gather(parts, stacked, group=group, async_op=True))
     else:
         parts = [stacked]
+    return assemble_full_adapter(adapter, info, parts)
+
+
+def shard_buffers(adapter: AdapterState, *, with_grad: bool) -> list[Tensor]:
+    """A shard's flat buffers as `assemble_full_adapter` takes them: params, (committed gradient,) moments."""
+    if not adapter.trainable:
+        return [adapter.params]
+    return [adapter.params, *([adapter.grad] if with_grad else []), adapter.exp_avg, adapter.exp_avg_sq]
+
+
+@torch.no_grad()
+def assemble_full_adapter(adapter: AdapterState, info: ShardInfo, parts: Sequence[Tensor], *,
+                          with_grad: bool = False) -> AdapterState:
+    """The whole adapter from every shard's stacked `shard_buffers(..., with_grad=with_grad)` (`parts`, in shard
+    order), `adapter` being one of the shards (for the layout, step and scale)."""
     full_targets = [info.full_target(target.module_name) for target in adapter.targets]
     full = AdapterState(
         adapter.model_id, adapter.config, full_targets, adapter.seed, adapter.params.device, trainable=adapter.trainable
     )
-    full_buffers = [full.params, full.exp_avg, full.exp_avg_sq] if adapter.trainable else [full.params]
-    with torch.no_grad():
-        for index, full_buffer in enumerate(full_buffers):
-            shard_views = [_pairs_in(part[index], adapter) for part in parts]
-            for name, (full_a, full_b) in _pairs_in(full_buffer, full).items():
-                lora_a, lora_b = _gather_pairs(info, name, [views[name] for views in shard_views])
-                full_a.copy_(lora_a)
-                full_b.copy_(lora_b)
+    for index, full_buffer in enumerate(shard_buffers(full, with_grad=with_grad)):
+        shard_views = [_pairs_in(part[index], adapter) for part in parts]
+        for name, (full_a, full_b) in _pairs_in(full_buffer, full).items():
+            lora_a, lora_b = _gather_pairs(info, name, [views[name] for views in shard_views])
+            full_a.copy_(lora_a)
+            full_b.copy_(lora_b)
     full.scale = adapter.scale
     full.step = adapter.step
     full.optimizer = adapter.optimizer
