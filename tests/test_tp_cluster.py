@@ -124,8 +124,10 @@ def test_a_model_that_fits_nowhere_is_refused_and_one_blocked_by_live_runs_share
         for future in [*_train(before, 1), before.forward_backward(BATCH)]:  # a step, and a gradient not applied
             future.result(120)
         big = svc.create_lora_training_client(str(model_dir), rank=RANK, seed=SEED)  # no wait for workers
-        notes = svc.cluster_status().placement_notes  # as `bios status` shows them
-        assert any(note.startswith("bios/tiny-llama cut over 2 workers, so ") for note in notes), notes
+        status = svc.cluster_status()  # as `bios status` shows it
+        assert any(note.startswith("bios/tiny-llama cut over 2 workers, so ") for note in status.placement_notes), \
+            status.placement_notes
+        assert status.plans["bios/tiny-llama"].startswith("tp2"), status.plans  # the plan run, not the first one
         before.optim_step(PARAMS).result(120)
         for future in _train(after, 2):
             future.result(120)
