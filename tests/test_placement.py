@@ -3,6 +3,8 @@ lines: S then L, L then S, three models one per worker, a leave and a join with 
 
 from __future__ import annotations
 
+import dataclasses
+
 from bios.coordinator.placement import ModelNeed, Placement, fits, needed_bytes, place
 from bios.models.memory_plan import GiB, MemoryEstimate, Plan
 
@@ -125,6 +127,22 @@ def test_a_model_blocked_by_an_unsplit_group_shares_it_with_the_group_s_models_c
     huge = ModelNeed("H", plan(1.5, tp=4))
     both = place(FOUR, [medium, huge], place(FOUR, [medium]))
     assert [(g.models, g.tp, len(g.workers)) for g in both.groups] == [(("M", "H"), 4, 4)] and not both.unplaced
+
+
+def test_a_cut_group_splits_again_once_a_second_replica_holds_both_models():
+    """S was cut in two to share two workers with L. Two workers join as a replica of both; once a generation
+    of the four formed, L leaves with that replica (its shards go with it), and S, alone, is cut back whole."""
+    two = {"w1": BUDGET, "w2": BUDGET}
+    small = ModelNeed("S", plan(0.6), plan_at=cut(0.6))
+    shared = place(two, [small, L], place(two, [small]))
+    small = dataclasses.replace(small, plan=cut(0.6)(2))  # as the planner plans it in that group
+    grown = place(FOUR, [small, L], shared)
+    assert [(g.models, g.workers, g.tp) for g in grown.groups] == [(("S", "L"), ("w1", "w2", "w3", "w4"), 2)]
+    split = place(FOUR, [small, L], grown.formed("S", ("w1", "w2", "w3", "w4")))
+    assert [(g.group_id, g.models, g.workers, g.tp) for g in split.groups] == [
+        ("S", ("S",), ("w1", "w2"), 1), ("L", ("L",), ("w3", "w4"), 2)]
+    assert any("L leaves S's group for one of its own on w3, w4" in why for why in split.reasons), split.reasons
+    assert any("S cut back to one worker a replica" in why for why in split.reasons), split.reasons
 
 
 def test_a_leave_replaces_from_spares_and_a_join_goes_to_the_busiest_group():

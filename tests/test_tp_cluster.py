@@ -106,7 +106,8 @@ def test_a_model_that_fits_nowhere_is_refused_and_one_blocked_by_live_runs_share
     """Only config.json is read: the refusal comes before any worker loads anything. A model that needs both
     workers while another model's runs hold them unsplit is placed at once: the live runs' adapters are cut in
     two, state and all (a run that stepped and summed a gradient before the cut ends equal to one that trained
-    after it only), and the two models share the workers."""
+    after it only), and the two models share the workers. When two more join, each model gets a group of its
+    own again, the built-in one whole, with nothing lost."""
     huge = tmp_path / "huge"
     huge.mkdir()
     (huge / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -131,9 +132,28 @@ def test_a_model_that_fits_nowhere_is_refused_and_one_blocked_by_live_runs_share
         before.optim_step(PARAMS).result(120)
         for future in _train(after, 2):
             future.result(120)
-        assert_same_weights(saved_adapter(svc, before), saved_adapter(svc, after))
-        assert before.forward(BATCH).result(120).loss == pytest.approx(after.forward(BATCH).result(120).loss,
-                                                                       rel=1e-5)
+        weights = saved_adapter(svc, before)
+        assert_same_weights(weights, saved_adapter(svc, after))
+        loss = before.forward(BATCH).result(120).loss
+        assert loss == pytest.approx(after.forward(BATCH).result(120).loss, rel=1e-5)
+        assert big.forward(BATCH).result(120).loss == pytest.approx(reference[0][0], rel=1e-5)
+        # Two workers join as a replica of both; then the split model leaves with them (its shards go along)
+        # and the built-in model is put back together on the first two: nothing changes but where they run
+        cluster.add_worker()
+        cluster.add_worker()
+        deadline = time.monotonic() + 180
+        while not svc.cluster_status().plans["bios/tiny-llama"].startswith("replicate: 2 replica(s)") or \
+                sum(w.state == "active" for w in svc.cluster_status().workers) < 4:
+            assert time.monotonic() < deadline, svc.cluster_status()
+            big.forward(BATCH[:1]).result(120)  # work, so the placement is looked at again
+            time.sleep(0.2)
+        status = svc.cluster_status()
+        assert any(f"{model_dir} leaves bios/tiny-llama's group for one of its own" in note
+                   for note in status.placement_notes), status.placement_notes
+        assert any("bios/tiny-llama cut back to one worker a replica" in note for note in status.placement_notes)
+        assert "1 replica(s) x 2 tensor-parallel worker(s)" in status.plans[str(model_dir)], status.plans
+        assert_same_weights(saved_adapter(svc, before), weights, tol=1e-6)
+        assert before.forward(BATCH).result(120).loss == pytest.approx(loss, rel=1e-5)
         assert big.forward(BATCH).result(120).loss == pytest.approx(reference[0][0], rel=1e-5)
 
 

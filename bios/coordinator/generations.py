@@ -186,7 +186,10 @@ class GenerationFormer:
         generation = self.roster.next_generation()
         if adapters and layout.tp == self.layout.tp == 1 and not any(mb.worker_id in self.holders for mb in members):
             self._adopt_rejoined(members, adapters)
-        ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, self.layout.tp)
+        held_tp = self.layout.tp
+        if adapters and not any(mb.worker_id in self.holders for mb in members):
+            held_tp = self._adopt_moved_shards(members, adapters) or held_tp
+        ranked, source_tp = rank_members(members, layout.tp, self.holders, self.shards, held_tp)
         # No member holds these: no holder survived, or their base model joins a group formed without it (its own
         # group's workers are gone). They come from their checkpoints.
         unheld = adapters if source_tp is None else [
@@ -228,6 +231,8 @@ class GenerationFormer:
         self.shards = {mb.worker_id: (layout.tp, rank % layout.tp) for rank, mb in enumerate(ranked)}
         self.committed = dict(forming.checksums.get(master.worker_id, {})) if layout.tp == 1 else {}
         self.roster.formed(list(self.holders), self.committed)
+        if layout.tp > 1:
+            self.roster.formed_shards(ranked, layout.tp, layout.models)
         self.scheduler.tell(Scheduler.formed, self.group_id, tuple(mb.worker_id for mb in ranked), layout.models,
                             dict(self.committed))
         self._join_failures.clear()
@@ -243,6 +248,20 @@ class GenerationFormer:
             log.info("%s: %s comes from %s, which holds it as its last group committed it", self.group_id, model_id,
                      source)
         return {model_id: workers.index(source) for model_id, source in found.items()}
+
+    def _adopt_moved_shards(self, members: list[Member], adapters: list[m.AdapterSpec]) -> int | None:
+        """None of this group's holders is here, but members came from a split group that held these adapters
+        (`_unshare` moved their base model out with them): they are the holders of their shards, as that group
+        formed them (`Roster.shard_of`). Returns that group's tensor-parallel size, or None."""
+        models = {spec.base_model for spec in adapters}
+        found = {mb.worker_id: shard for mb in members if (shard := self.roster.shard_of(mb, models)) is not None}
+        sizes = {tp for tp, _ in found.values()}
+        if len(sizes) != 1:
+            return None
+        log.info("%s: %s hold the runs' state as shards of the split group they came from", self.group_id,
+                 ", ".join(sorted(found)))
+        self.holders, self.shards = set(found), dict(found)
+        return sizes.pop()
 
     def _adopt_rejoined(self, members: list[Member], adapters: list[m.AdapterSpec]) -> None:
         """No survivor holds the state, but a worker that registered again (after it was declared dead while

@@ -18,8 +18,9 @@ workers, so nobody reloads and every adapter keeps a holder) and:
   (`_recut_into`); else the model stays unplaced, with why;
 - hands idle workers to the groups, a whole replica at a time, the busiest group (queued work per replica)
   first; a worker that can hold nothing waits (parked), with why;
-- gives a model that shares an unsplit group a group of its own once two of the group's replicas hold its runs'
-  state (`_unshare`): the workers that move take its adapters with them.
+- gives a model that shares a group a group of its own once two of the group's replicas hold its runs' state
+  (`_unshare`): the workers that move take its adapters (or shards) with them; a split group whose models all
+  fit one worker each again is cut back (`_uncut`).
 
 A group keeps its tensor-parallel size while it lives, but for `_recut_into`: its runs' adapters are cut that
 way, and a model's plan only chooses the size when its group is made. When a group is cut anew, its next
@@ -344,25 +345,45 @@ def _hand_out_idle(state: _Placing) -> None:
 
 
 def _unshare(state: _Placing) -> None:
-    """A base model that shares an unsplit group (workers were scarce when it came) gets a group of its own once
-    the group has two replicas whose workers hold its runs' state: the newest ones, as many as its share of the
-    group's work (at least one, the group keeping at least one). Its adapters go with those workers (they hold
-    them as last committed: `bios.coordinator.roster`), so its runs stop waiting for the others' cycles."""
+    """A base model that shares a group (workers were scarce when it came, or it was cut to share one) gets a
+    group of its own once the group has two whole replicas whose workers hold its runs' state: the newest ones,
+    as many as its share of the group's work (at least one, the group keeping at least one). Its adapters (or
+    their shards: the group keeps its size) go with those workers (they hold them as last committed:
+    `bios.coordinator.roster`), so its runs stop waiting for the others' cycles. Then `_uncut`."""
     for group in list(state.groups):
-        if len(group.models) < 2 or group.tp != 1:
+        if len(group.models) < 2:
             continue
-        holding = [w for w in group.workers[1:] if w in group.formed]
+        replicas = [group.workers[r * group.tp:(r + 1) * group.tp] for r in range(1, group.replicas)]
+        holding = [replica for replica in replicas if all(w in group.formed for w in replica)]
         if not holding:
             continue
         name, total = group.models[-1], state.demand(group)
         share = state.needs[name].demand / total if total else 0.5
         count = min(len(holding), max(1, round(share * group.replicas)), group.replicas - 1)
-        moving = holding[-count:]
+        moving = [w for replica in holding[-count:] for w in replica]
         group.models.remove(name)
         group.workers[:] = [w for w in group.workers if w not in moving]
-        state.groups.append(_Group(name, [name], moving, 1))
+        state.groups.append(_Group(name, [name], moving, group.tp))
         state.reasons.append(f"{name} leaves {group.group_id}'s group for one of its own on {', '.join(moving)}, "
                              f"which hold its runs' state ({len(group.workers)} worker(s) keep {group.group_id})")
+    _uncut(state)
+
+
+def _uncut(state: _Placing) -> None:
+    """A split group whose models all fit each of its workers whole again (a model cut to share a group, left
+    alone in it) is cut back to one worker a replica: its adapters are put together when it forms again."""
+    for group in state.groups:
+        if group.tp == 1 or not group.workers:
+            continue
+        whole = {name: state.needs[name].plan_at(1) if state.needs[name].plan_at else None for name in group.models}
+        if any(plan is None for plan in whole.values()) or \
+                not all(fits(state.budgets[w], list(whole.values())) for w in group.workers):
+            continue
+        for name, plan in whole.items():
+            state.needs[name] = dataclasses.replace(state.needs[name], plan=plan)
+        group.tp = 1
+        state.reasons.append(f"{', '.join(group.models)} cut back to one worker a replica: each of "
+                             f"{', '.join(group.workers)} holds it whole again")
 
 
 def _share(state: _Placing, group: _Group) -> str:

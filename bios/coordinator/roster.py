@@ -8,7 +8,8 @@ changed groups never matches the new group's generation or cycle.
 
 A worker that changes groups with a base model (the placement moves the model out of a group it shared) still
 holds that model's adapters as its old group last committed them: the new group takes them from it
-(`source`) instead of from checkpoints, so nothing trained since the last checkpoint is lost.
+(`source`, whole adapters; `shard_of`, a split group's shards) instead of from checkpoints, so nothing trained
+since the last checkpoint is lost.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class Roster:
         self._wanted: set[str] = set()  # busy workers another group waits for
         self._committed: dict[str, float] = {}  # whole adapter -> its checksum as its group last committed it
         self._held: dict[str, dict[str, float]] = {}  # worker -> the whole adapters it holds, as it committed them
+        # worker -> (its membership entry, tp, shard, base models) as its last split generation formed
+        self._shards: dict[str, tuple[Any, int, int, frozenset[str]]] = {}
 
     def next_generation(self) -> int:
         return next(self._generations)
@@ -60,6 +64,21 @@ class Roster:
         self._committed.update(checksums)
         for worker in workers:
             self._held[worker] = dict(checksums)
+            self._shards.pop(worker, None)
+
+    def formed_shards(self, ranked: list[Any], tp: int, models: tuple[str, ...]) -> None:
+        """A split generation of `ranked` members (membership entries, rank order) formed: rank i holds shard
+        i % tp of the adapters of `models`."""
+        for rank, member in enumerate(ranked):
+            self._shards[member.worker_id] = (member, tp, rank % tp, frozenset(models))
+
+    def shard_of(self, member: Any, models: set[str]) -> tuple[int, int] | None:
+        """(tp, shard) of the adapters of `models` that `member` (this very registration) holds as its last split
+        generation formed them, if it does."""
+        entry = self._shards.get(member.worker_id)
+        if entry is None or entry[0] is not member or not models <= entry[3]:
+            return None
+        return entry[1], entry[2]
 
     def committed(self, workers: list[str], checksums: dict[str, float]) -> None:
         """A cycle of `workers` committed these whole adapters."""
