@@ -52,6 +52,13 @@ class ModelNeed:
     def tp(self) -> int:
         return self.plan.tp if self.plan is not None else 1
 
+    def at(self, tp: int) -> Plan | None:
+        """Its plan over `tp` workers a replica: its own if of that size, else cut (`plan_at`); None if it cannot
+        be (or is not planned)."""
+        if self.tp == tp:
+            return self.plan
+        return self.plan_at(tp) if self.plan_at else None
+
 
 @dataclass(frozen=True)
 class Group:
@@ -169,6 +176,17 @@ class _Placing:
     def demand(self, group: _Group) -> float:
         return sum(self.needs[name].demand for name in group.models)
 
+    def cut(self, models: Sequence[str], tp: int, workers: Sequence[str]) -> bool:
+        """Plan `models` over `tp` workers a replica (`ModelNeed.at`) if each of `workers` then holds them all;
+        whether it did."""
+        plans = {name: self.needs[name].at(tp) for name in models}
+        if any(plan is None for plan in plans.values()) or \
+                not all(fits(self.budgets[w], list(plans.values())) for w in workers):
+            return False
+        for name, plan in plans.items():
+            self.needs[name] = dataclasses.replace(self.needs[name], plan=plan)
+        return True
+
 
 def place(budgets: Mapping[str, int], needs: Sequence[ModelNeed], current: Placement = Placement(),
           affinity: Mapping[str, frozenset[str]] | None = None, rebalance: bool = False) -> Placement:
@@ -262,16 +280,10 @@ def _recut_into(state: _Placing, group: _Group, need: ModelNeed) -> bool:
     if len(group.workers) < tp:
         return False
     models = [*group.models, need.base_model]
-    cut = {name: state.needs[name].plan if state.needs[name].tp == tp else
-           state.needs[name].plan_at(tp) if state.needs[name].plan_at else None for name in models}
-    if any(plan is None for plan in cut.values()):
-        return False
     kept = group.workers[:len(group.workers) // tp * tp]
-    if not all(fits(state.budgets[w], list(cut.values())) for w in kept):
-        return False
     recut = [name for name in models if state.needs[name].tp != tp]
-    for name in recut:
-        state.needs[name] = dataclasses.replace(state.needs[name], plan=cut[name])
+    if not state.cut(models, tp, kept):
+        return False
     state.idle.extend(w for w in group.workers if w not in kept)
     group.workers[:], group.tp = kept, tp
     group.models.append(need.base_model)
@@ -373,14 +385,8 @@ def _uncut(state: _Placing) -> None:
     """A split group whose models all fit each of its workers whole again (a model cut to share a group, left
     alone in it) is cut back to one worker a replica: its adapters are put together when it forms again."""
     for group in state.groups:
-        if group.tp == 1 or not group.workers:
+        if group.tp == 1 or not group.workers or not state.cut(group.models, 1, group.workers):
             continue
-        whole = {name: state.needs[name].plan_at(1) if state.needs[name].plan_at else None for name in group.models}
-        if any(plan is None for plan in whole.values()) or \
-                not all(fits(state.budgets[w], list(whole.values())) for w in group.workers):
-            continue
-        for name, plan in whole.items():
-            state.needs[name] = dataclasses.replace(state.needs[name], plan=plan)
         group.tp = 1
         state.reasons.append(f"{', '.join(group.models)} cut back to one worker a replica: each of "
                              f"{', '.join(group.workers)} holds it whole again")

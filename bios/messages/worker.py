@@ -103,7 +103,8 @@ class Reconfigure:
     With `tp` > 1 the members form `world // tp` replicas of `tp` tensor-parallel shard holders (rank r is shard
     r % tp of replica r // tp) and every base model is split that way. `source_tp` is how the state's holders
     hold it: 1, whole on rank 0 (broadcast to everyone, each member keeps its slice); equal to `tp`, shard j on
-    rank j (broadcast to the other replicas' rank-j members). An adapter in `sources` comes whole from that
+    rank j (broadcast to the other replicas' rank-j members); another size k, shard j on rank j < k (put together
+    on rank 0, then as for 1). An adapter in `sources` comes whole from that
     replica instead: a member that held it in another group (its base model moved here with that member)."""
 
     generation: int

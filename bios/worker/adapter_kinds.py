@@ -17,6 +17,7 @@ knowing the kind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -108,11 +109,7 @@ class Adapter(ABC):
 
     def take_from_replica(self, group: CollectiveGroup, replica: int = 0) -> None:
         """Become `replica`'s copy (its holder of the same state): params, committed gradient, moments, step."""
-        state = self.state
-        step = torch.tensor([state.step], dtype=torch.int64)
-        for buffer in (state.params, state.grad, state.exp_avg, state.exp_avg_sq, step):
-            group.broadcast_from_replica_(buffer, replica)
-        state.step = int(step.item())
+        _broadcast_state(self.state, lambda buffer: group.broadcast_from_replica_(buffer, replica))
 
     def held(self) -> HeldState:
         """What this member holds of the adapter, kept past a new generation's `configure` for `whole_on_rank_zero`."""
@@ -127,10 +124,7 @@ class Adapter(ABC):
             if whole is None or whole.params.numel() != full.params.numel():
                 raise RuntimeError(f"rank 0 holds no whole adapter {self.state.model_id} to cut anew")
             full = whole
-        step = torch.tensor([full.step], dtype=torch.int64)
-        for buffer in (full.params, full.grad, full.exp_avg, full.exp_avg_sq, step):
-            group.broadcast_(buffer, 0)
-        full.step = int(step.item())
+        _broadcast_state(full, lambda buffer: group.broadcast_(buffer, 0))
         self._keep(full)
 
     def _whole_layout(self) -> AdapterState:
@@ -143,10 +137,18 @@ class Adapter(ABC):
         """Hold `full` (a whole adapter of this one's targets)."""
         state = self.state
         if full is not state:
-            for mine, theirs in ((state.params, full.params), (state.grad, full.grad), (state.exp_avg, full.exp_avg),
-                                 (state.exp_avg_sq, full.exp_avg_sq)):
+            for mine, theirs in zip(shard_buffers(state, with_grad=True), shard_buffers(full, with_grad=True)):
                 mine.copy_(theirs)
         state.step = full.step
+
+
+def _broadcast_state(state: AdapterState, broadcast: Callable[[torch.Tensor], None]) -> None:
+    """Send or take (`broadcast`: one collective, the same source on every member) an adapter's params,
+    committed gradient, moments and step."""
+    step = torch.tensor([state.step], dtype=torch.int64)
+    for buffer in (*shard_buffers(state, with_grad=True), step):
+        broadcast(buffer)
+    state.step = int(step.item())
 
 
 @dataclass(frozen=True)
